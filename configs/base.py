@@ -1,0 +1,98 @@
+"""Defaults shared by every jssl config; method configs start from ``get_base_config()``.
+
+Each field has one comment where its meaning is not obvious. Values derived from others
+(learning rate from batch size, steps from epochs) are computed in code at run time, so a
+command-line override of one field follows through.
+"""
+
+import ml_collections
+
+
+def get_base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.engine = "train"  # "train" | "extract_features" | "knn" | "linear_eval"
+    c.seed = 0  # model init, dropout/shuffle-BN randomness and the data order all derive from it
+    c.num_epochs = 1
+    c.log_every_steps = 10
+    c.test_every_epochs = 0  # >0: a test phase (validation loss, kNN monitor) every N epochs
+
+    c.method = ml_collections.ConfigDict()
+    c.method.name = "moco"
+
+    c.model = ml_collections.ConfigDict()
+    c.model.trunk = "resnet50"
+    c.model.width_multiplier = 1.0
+    c.model.cifar_stem = False  # 3x3 stride-1 stem without max-pool, for 32 px images
+    c.model.zero_init_residual = False
+    c.model.head_dims = (2048, 2048, 128)  # (trunk features, hidden..., embedding)
+    c.model.head_bn = False
+    c.model.sync_bn = False  # True: batch statistics over the global batch (VISSL SYNC_BN)
+    c.model.dtype = "float32"  # "bfloat16": bf16 compute, float32 params/optimizer/BN/loss
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "demo"  # "demo" | "tfds" | "folder"
+    c.data.name = ""  # TFDS name when source="tfds", e.g. "imagenet2012"
+    c.data.data_dir = ml_collections.config_dict.placeholder(str)  # TFDS dir / folder root
+    c.data.train_split = "train"
+    c.data.test_split = "test"
+    c.data.batch_size = 256  # global, over all devices and processes
+    c.data.image_size = 224
+    c.data.train_subset = -1  # >0: only the first N train examples (VISSL DATA_LIMIT)
+    c.data.shuffle_buffer = 16384
+    c.data.skip_corrupt = False  # True: skip and count unreadable images instead of failing
+    c.data.cache = False  # keep decoded examples in memory (small datasets)
+    c.data.augment = ml_collections.ConfigDict()
+    a = c.data.augment
+    a.num_views = 2
+    a.crop_scale = (0.2, 1.0)
+    a.crop_ratio = (3 / 4, 4 / 3)
+    a.flip_prob = 0.5
+    a.color_jitter_prob = 0.8
+    a.color_strength = 0.5  # jitter (0.8s, 0.8s, 0.8s, 0.2s), VISSL ImgPilColorDistortion
+    a.grayscale_prob = 0.2
+    a.blur_prob = 0.5
+    a.blur_sigma = (0.1, 2.0)
+    a.solarize_prob = 0.0
+    a.mean = (0.485, 0.456, 0.406)
+    a.std = (0.229, 0.224, 0.225)
+
+    c.optim = ml_collections.ConfigDict()
+    o = c.optim
+    o.name = "sgd"  # "sgd" | "lars" | "adamw"
+    o.base_lr = 0.1
+    o.base_lr_batch_size = 256  # lr = base_lr * batch_size / this; <=0 disables scaling
+    o.momentum = 0.9
+    o.nesterov = False
+    o.weight_decay = 1e-4
+    o.regularize_bn = True
+    o.regularize_bias = True
+    o.schedule = "cosine"  # "multistep" | "cosine" | "constant"
+    o.milestones = (30, 60)  # epochs, for multistep
+    o.gamma = 0.1
+    o.final_lr_fraction = 0.0  # cosine ends at base * this
+    o.warmup_epochs = 0.0
+    o.warmup_start_lr = 0.0
+    o.update_interval = "step"  # "step" | "epoch" (VISSL param_schedulers update_interval)
+    o.lars_eta = 0.001
+    o.betas = (0.9, 0.999)
+    o.grad_clip_norm = 0.0
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 0  # >0: also save every N steps (always at the end of an epoch)
+    c.checkpoint.max_to_keep = 3
+    c.checkpoint.async_save = True
+
+    c.knn = ml_collections.ConfigDict()
+    c.knn.enabled = False  # kNN accuracy of trunk features at start, in test phases and at end
+    c.knn.layer = "avgpool"
+    c.knn.k = 200  # VISSL nearest-neighbour test: k=200, T=0.1 (Wu et al. 2018)
+    c.knn.temperature = 0.1
+    c.knn.train_split = "train"
+    c.knn.test_split = "test"
+    c.knn.batch_size = 256
+
+    c.debug = ml_collections.ConfigDict()
+    c.debug.nans = False  # jax_debug_nans: fail at the first op producing a NaN (slow)
+    c.debug.profile = False  # write a profiler trace of a few steps to the workdir
+    c.debug.max_steps = -1  # >0: stop after this many steps (smoke tests)
+    return c

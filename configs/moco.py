@@ -1,0 +1,123 @@
+r"""MoCo v2 pre-training (Chen et al. 2020, "Improved Baselines with Momentum Contrastive
+Learning"), following VISSL's configs/config/pretrain/moco/moco_1node_resnet.yaml.
+
+  python launch.py --config=configs/moco.py --workdir=runs/moco \
+      --config.data.source=tfds --config.data.name=imagenet2012      # ImageNet, 200 epochs
+  python launch.py --config=configs/moco.py:demo --workdir=runs/demo   # CPU, minutes, offline
+
+Presets: "" / "imagenet" (the reference recipe), "demo" (small ResNet-18 on the built-in
+demo data at 32 px; prints the kNN accuracy of learned vs random features), "test" (tiny,
+for the test suite).
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    c = base.get_base_config()
+    c.method.name = "moco"
+    # VISSL moco_loss defaults (vissl/losses/moco_loss.py): queue 65536, momentum 0.999, T 0.2.
+    c.method.queue_size = 65536
+    c.method.momentum = 0.999
+    c.method.temperature = 0.2
+    # MoCo's shuffle-BN (He et al. 2020, Sec. 3.3; VISSL shuffle_batch) against BN cheating
+    # across the per-device batches; irrelevant (and skipped) when model.sync_bn is on.
+    c.method.shuffle_bn = True
+
+    # VISSL: RESNETS.DEPTH 50, ZERO_INIT_RESIDUAL True, heads mlp [2048, 2048] + relu,
+    # mlp [2048, 128]; CONVERT_BN_TO_SYNC_BN False (shuffle-BN instead).
+    c.model.trunk = "resnet50"
+    c.model.zero_init_residual = True
+    c.model.head_dims = (2048, 2048, 128)
+    c.model.sync_bn = False
+
+    # VISSL: imagenet1k folder, 32 per GPU x 8 GPUs = 256, RandomResizedCrop 224,
+    # ImgPilColorDistortion strength 0.5, ImgPilGaussianBlur p 0.5 radius 0.1-2.0, flip 0.5.
+    c.data.source = "tfds"
+    c.data.name = "imagenet2012"
+    c.data.train_split = "train"
+    c.data.test_split = "validation"
+    c.data.batch_size = 256
+    c.data.image_size = 224
+    c.data.augment.crop_scale = (0.08, 1.0)  # torchvision RandomResizedCrop default, as VISSL
+    c.data.augment.color_strength = 0.5
+    c.data.augment.blur_prob = 0.5
+    c.data.augment.blur_sigma = (0.1, 2.0)
+
+    # VISSL: sgd, momentum 0.9, nesterov, weight_decay 1e-4, regularize_bn/bias True,
+    # multistep lr [0.03, 0.003, 0.0003] at epochs [120, 160], update_interval epoch, 200 epochs.
+    c.num_epochs = 200
+    c.optim.name = "sgd"
+    c.optim.base_lr = 0.03
+    c.optim.base_lr_batch_size = 256
+    c.optim.momentum = 0.9
+    c.optim.nesterov = True
+    c.optim.weight_decay = 1e-4
+    c.optim.schedule = "multistep"
+    c.optim.milestones = (120, 160)
+    c.optim.gamma = 0.1
+    c.optim.update_interval = "epoch"
+    c.log_every_steps = 50
+    c.checkpoint.every_steps = 5000
+
+    if preset in ("", "imagenet"):
+        pass
+    elif preset == "demo":
+        _demo(c)
+    elif preset == "test":
+        _demo(c)
+        _tiny(c)
+    else:
+        raise ValueError(
+            f"Unknown preset {preset!r} of configs/moco.py: use '', 'imagenet', 'demo' or 'test'."
+        )
+    return c
+
+
+def _demo(c: ml_collections.ConfigDict) -> None:
+    """Small ResNet-18 on the built-in demo data at 32 px, 2 CPU cores, a few minutes."""
+    c.data.source = "demo"
+    c.data.name = ""
+    c.data.train_split = "train"
+    c.data.test_split = "test"
+    c.data.image_size = 32
+    c.data.batch_size = 128
+    c.data.cache = True
+    c.data.augment.crop_scale = (0.2, 1.0)
+    c.data.augment.blur_prob = 0.0  # blur destroys 32 px shapes (SimCLR drops it on CIFAR)
+    c.model.trunk = "resnet18"
+    c.model.width_multiplier = 0.25
+    c.model.cifar_stem = True
+    c.model.head_dims = (128, 128, 64)
+    c.method.queue_size = 4096
+    c.method.momentum = 0.99
+    c.method.temperature = 0.2
+    c.num_epochs = 8
+    c.optim.base_lr = 0.06
+    c.optim.base_lr_batch_size = 256
+    c.optim.schedule = "cosine"
+    c.optim.update_interval = "step"
+    c.optim.weight_decay = 5e-4
+    c.log_every_steps = 20
+    c.checkpoint.every_steps = 0
+    c.test_every_epochs = 0
+    c.knn.enabled = True
+    c.knn.k = 20
+    c.knn.temperature = 0.07
+    c.knn.batch_size = 500
+
+
+def _tiny(c: ml_collections.ConfigDict) -> None:
+    """Seconds-long runs for the test suite."""
+    c.data.image_size = 16
+    c.data.batch_size = 16
+    c.data.train_subset = 64
+    c.model.width_multiplier = 0.125
+    c.model.head_dims = (64, 32, 16)
+    c.method.queue_size = 64
+    c.num_epochs = 2
+    c.log_every_steps = 2
+    c.knn.enabled = False
+    c.knn.batch_size = 100

@@ -1,0 +1,63 @@
+"""jssl.data: deterministic, host-local input pipelines for SSL training and evaluation.
+
+Sources: "demo" (a built-in generated TFDS dataset, offline), "tfds" (any TFDS dataset by name)
+and "folder" (root/<split>/<class>/<images>). The trainer uses four functions:
+
+- build_train_dataset: one epoch of this process's batches of augmented views;
+- build_eval_dataset: the whole split, un-augmented, padded with a mask to static shapes;
+- num_examples, steps_per_epoch: sizes, the same on every process.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from jssl.data.pipeline import (
+    build_eval_dataset,
+    build_train_dataset,
+    num_examples,
+    shard_bounds,
+    steps_per_epoch,
+)
+
+__all__ = [
+    "build_eval_dataset",
+    "build_train_dataset",
+    "default_config",
+    "num_examples",
+    "shard_bounds",
+    "steps_per_epoch",
+]
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The data config with its defaults (configs/base.py defines the same fields)."""
+    return ml_collections.ConfigDict(
+        dict(
+            source="demo",  # "demo" | "tfds" | "folder"
+            name="",  # TFDS dataset name when source="tfds"
+            data_dir=None,  # TFDS data_dir (demo/tfds); the root folder when source="folder"
+            train_split="train",
+            test_split="test",
+            batch_size=256,  # global: split evenly over processes
+            image_size=224,  # output crop side S
+            train_subset=-1,  # >0: only the first N train examples (VISSL's DATA_LIMIT)
+            shuffle_buffer=16384,
+            skip_corrupt=False,  # True: drop unreadable images and log them instead of failing
+            cache=False,  # keep decoded examples in memory across epochs (small datasets)
+            augment=dict(
+                num_views=2,
+                crop_scale=(0.2, 1.0),
+                crop_ratio=(3 / 4, 4 / 3),
+                flip_prob=0.5,
+                color_jitter_prob=0.8,
+                color_strength=0.5,  # VISSL ImgPilColorDistortion strength s
+                grayscale_prob=0.2,
+                blur_prob=0.5,
+                blur_sigma=(0.1, 2.0),  # pixels, as PIL's GaussianBlur radius in VISSL
+                solarize_prob=0.0,
+                mean=(0.485, 0.456, 0.406),
+                std=(0.229, 0.224, 0.225),
+            ),
+        )
+    )

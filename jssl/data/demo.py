@@ -1,0 +1,123 @@
+"""The built-in demo dataset: 10 classes of coloured shapes, generated offline as a TFDS builder.
+
+It exists so that every method can be run end to end on a laptop CPU without a download, through
+the same TFDS code path as ImageNet. The class is defined by the shape only; foreground and
+background colours, size, position and background gradient are random, so colour is a nuisance
+that colour distortion teaches an SSL method to ignore (the point of SimCLR's colour ablation,
+arXiv:2002.05709 section 3). Generation is deterministic: example i of a split always comes from
+numpy seed (split, i), and shuffling is disabled so the stored order is the generation order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+IMAGE_SIZE = 32
+CLASS_NAMES = (
+    "circle",
+    "square",
+    "triangle",
+    "cross",
+    "ring",
+    "horizontal_bar",
+    "vertical_bar",
+    "diamond",
+    "plus",
+    "two_dots",
+)
+SPLIT_SIZES = {"train": 8000, "test": 2000}
+_SPLIT_SEEDS = {"train": 0, "test": 1}  # different seeds: test images are not copies of train ones
+
+
+def _shape_mask(label: int, dx: np.ndarray, dy: np.ndarray, r: float) -> np.ndarray:
+    """Boolean mask of shape `label` centred at the origin of (dx, dy) with radius r."""
+    ax, ay = np.abs(dx), np.abs(dy)
+    dist2 = dx**2 + dy**2
+    if label == 0:  # circle
+        return dist2 <= r**2
+    if label == 1:  # square
+        return (ax <= 0.8 * r) & (ay <= 0.8 * r)
+    if label == 2:  # upward triangle
+        return (dy >= -r) & (dy <= 0.8 * r) & (ax <= 0.55 * (dy + r))
+    if label == 3:  # diagonal cross
+        arm = 0.3 * r
+        return ((np.abs(dx - dy) <= arm) | (np.abs(dx + dy) <= arm)) & (ax <= r) & (ay <= r)
+    if label == 4:  # ring
+        return (dist2 <= r**2) & (dist2 >= (0.55 * r) ** 2)
+    if label == 5:  # horizontal bar
+        return (ay <= 0.3 * r) & (ax <= r)
+    if label == 6:  # vertical bar
+        return (ax <= 0.3 * r) & (ay <= r)
+    if label == 7:  # diamond
+        return ax + ay <= r
+    if label == 8:  # plus
+        return ((ax <= 0.25 * r) & (ay <= r)) | ((ay <= 0.25 * r) & (ax <= r))
+    # two dots side by side
+    dot = (0.4 * r) ** 2
+    return ((dx - 0.55 * r) ** 2 + dy**2 <= dot) | ((dx + 0.55 * r) ** 2 + dy**2 <= dot)
+
+
+def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
+    """The (image uint8 32x32x3, label) of example `index` of `split`; balanced labels."""
+    rng = np.random.default_rng([_SPLIT_SEEDS[split], index])
+    label = index % len(CLASS_NAMES)
+    size = IMAGE_SIZE
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+
+    background = rng.uniform(0.0, 1.0, 3)
+    foreground = rng.uniform(0.0, 1.0, 3)
+    # Keep the shape visible: push the foreground away from the background when they are close.
+    while np.abs(foreground - background).sum() < 0.6:
+        foreground = rng.uniform(0.0, 1.0, 3)
+
+    # Background: a gentle random gradient. No per-image texture pattern: a distinctive one
+    # (stripes of random frequency, v1.0.0) lets contrastive methods match two crops by the
+    # background alone and never look at the shape.
+    angle = rng.uniform(0, 2 * np.pi)
+    gradient = (np.cos(angle) * xx + np.sin(angle) * yy) / size * rng.uniform(0.0, 0.3)
+    image = background[None, None, :] + gradient[..., None]
+
+    # Large, roughly central shapes, so most random crops still contain part of the shape.
+    radius = rng.uniform(8.0, 13.0)
+    cx, cy = rng.uniform(max(radius, size / 2 - 5), min(size - radius, size / 2 + 5), 2)
+    mask = _shape_mask(label, xx - cx, yy - cy, radius)
+    image = np.where(mask[..., None], foreground[None, None, :], image)
+    image = image + rng.normal(0.0, 0.04, image.shape)
+    return np.clip(image * 255.0 + 0.5, 0, 255).astype(np.uint8), label
+
+
+class JsslDemo(tfds.core.GeneratorBasedBuilder):
+    """TFDS builder "jssl_demo": procedurally generated shapes, no download."""
+
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {
+        "1.0.0": "Initial release: 10 shape classes, 8000 train / 2000 test.",
+        "1.1.0": "Plain gradient backgrounds and larger, central shapes (no texture shortcut).",
+    }
+    # No download, so no checksums file to locate. Locating it (the inherited `code_path`) imports
+    # the `importlib_resources` backport, which TFDS 4.9.10 does not declare as a dependency.
+    code_path = None
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return self.dataset_info_from_configs(
+            description="10 classes of randomly coloured shapes on gradient backgrounds.",
+            features=tfds.features.FeaturesDict(
+                {
+                    "image": tfds.features.Image(shape=(IMAGE_SIZE, IMAGE_SIZE, 3)),
+                    "label": tfds.features.ClassLabel(names=CLASS_NAMES),
+                }
+            ),
+            supervised_keys=("image", "label"),
+            # Keep generation order on disk so that dataset index i is example i of the split.
+            disable_shuffling=True,
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # everything is generated locally
+        return {split: self._generate_examples(split, n) for split, n in SPLIT_SIZES.items()}
+
+    def _generate_examples(self, split: str, num: int):
+        for index in range(num):
+            image, label = make_example(split, index)
+            yield index, {"image": image, "label": label}

@@ -1,0 +1,222 @@
+"""SSL image transforms on one image, driven by explicit stateless seeds.
+
+Every transform takes a float32 image in [0, 1] of shape (H, W, 3) and a seed of shape (2,)
+(int32/int64) and is a pure function of the two: the same inputs give the same output eagerly and
+inside `tf.data`, whatever the parallelism. `ssl_view` composes one training view in the order of
+VISSL's SimCLR/MoCo-v2 pipeline (RandomResizedCrop, RandomHorizontalFlip, ImgPilColorDistortion,
+ImgPilGaussianBlur, ImgPilRandomSolarize, ToTensor, Normalize; vissl/configs/config/pretrain/simclr
+and vissl/data/ssl_transforms/img_pil_*.py), and `eval_image` is the usual resize + centre crop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+Seed = tf.Tensor  # shape (2,), int32 or int64
+
+
+def example_seed(seed: int, epoch: int | tf.Tensor, index: tf.Tensor) -> tf.Tensor:
+    """The seed of one example: a function of (seed, epoch, index) only.
+
+    Deriving it from the dataset index (not from the position in a batch or a stateful generator)
+    is what makes the views independent of process count, sharding, skipping and parallelism.
+    """
+    base = tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
+    return tf.random.experimental.stateless_fold_in(base, tf.cast(index, tf.int64))
+
+
+def _uniform(seed: Seed, low: float = 0.0, high: float = 1.0) -> tf.Tensor:
+    return tf.random.stateless_uniform([], seed=seed, minval=low, maxval=high, dtype=tf.float32)
+
+
+def random_apply(
+    fn: Callable[[tf.Tensor, Seed], tf.Tensor], prob: float, image: tf.Tensor, seed: Seed
+) -> tf.Tensor:
+    """Apply `fn(image, seed)` with probability `prob` (torchvision's RandomApply)."""
+    if prob <= 0.0:
+        return image
+    coin_seed, fn_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    if prob >= 1.0:
+        return fn(image, fn_seed)
+    return tf.cond(_uniform(coin_seed) < prob, lambda: fn(image, fn_seed), lambda: image)
+
+
+def random_resized_crop(
+    image: tf.Tensor,
+    seed: Seed,
+    size: int,
+    scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+) -> tf.Tensor:
+    """Crop a random area fraction in `scale` with aspect ratio in `ratio`, resize to size^2.
+
+    Inception-style crop as torchvision's RandomResizedCrop (used by VISSL's SSL configs); when no
+    box is found after the attempts the whole image is used.
+    """
+    begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        tf.shape(image),
+        bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+        seed=seed,
+        min_object_covered=0.0,
+        aspect_ratio_range=tuple(ratio),
+        area_range=tuple(scale),
+        max_attempts=10,
+        use_image_if_no_bounding_boxes=True,
+    )
+    crop = tf.slice(image, begin, crop_size)
+    # antialias: PIL's bilinear resize (what VISSL uses) filters when downscaling.
+    out = tf.image.resize(crop, (size, size), method="bilinear", antialias=True)
+    return tf.clip_by_value(out, 0.0, 1.0)
+
+
+def random_flip(image: tf.Tensor, seed: Seed, prob: float = 0.5) -> tf.Tensor:
+    """Horizontal flip with probability `prob`."""
+    return random_apply(lambda x, _: tf.image.flip_left_right(x), prob, image, seed)
+
+
+def _grayscale3(image: tf.Tensor) -> tf.Tensor:
+    return tf.tile(tf.image.rgb_to_grayscale(image), [1, 1, 3])
+
+
+def _blend(image: tf.Tensor, other: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+    return tf.clip_by_value(other + factor * (image - other), 0.0, 1.0)
+
+
+def color_jitter(
+    image: tf.Tensor,
+    seed: Seed,
+    brightness: float,
+    contrast: float,
+    saturation: float,
+    hue: float,
+) -> tf.Tensor:
+    """torchvision ColorJitter: the four adjustments, each with a random factor, in random order.
+
+    Brightness/contrast/saturation follow torchvision's definitions (multiply; blend with the mean
+    grey; blend with the greyscale image) rather than tf.image's additive brightness, so that
+    VISSL's strengths mean the same thing here.
+    """
+    order_seed, b_seed, c_seed, s_seed, h_seed = tf.unstack(
+        tf.random.experimental.stateless_split(seed, 5)
+    )
+    b = _uniform(b_seed, max(0.0, 1 - brightness), 1 + brightness)
+    c = _uniform(c_seed, max(0.0, 1 - contrast), 1 + contrast)
+    s = _uniform(s_seed, max(0.0, 1 - saturation), 1 + saturation)
+    h = _uniform(h_seed, -hue, hue)
+    branches = [
+        lambda x: tf.clip_by_value(x * b, 0.0, 1.0),
+        lambda x: _blend(x, tf.reduce_mean(tf.image.rgb_to_grayscale(x)), c),
+        lambda x: _blend(x, _grayscale3(x), s),
+        lambda x: tf.clip_by_value(tf.image.adjust_hue(x, h), 0.0, 1.0),
+    ]
+    order = tf.argsort(tf.random.stateless_uniform([4], seed=order_seed))
+    for i in range(4):
+        # Bind the current image and op as defaults: each branch must see this step's input.
+        image = tf.switch_case(order[i], [lambda f=f, x=image: f(x) for f in branches])
+    return image
+
+
+def color_distortion(
+    image: tf.Tensor,
+    seed: Seed,
+    strength: float = 0.5,
+    jitter_prob: float = 0.8,
+    grayscale_prob: float = 0.2,
+) -> tf.Tensor:
+    """VISSL ImgPilColorDistortion: RandomApply(ColorJitter(0.8s, 0.8s, 0.8s, 0.2s), p) then
+    RandomGrayscale(grayscale_prob)."""
+    jitter_seed, gray_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    s = strength
+    image = random_apply(
+        lambda x, sd: color_jitter(x, sd, 0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s),
+        jitter_prob,
+        image,
+        jitter_seed,
+    )
+    return random_apply(lambda x, _: _grayscale3(x), grayscale_prob, image, gray_seed)
+
+
+def gaussian_blur(
+    image: tf.Tensor, seed: Seed, sigma_range: Sequence[float] = (0.1, 2.0)
+) -> tf.Tensor:
+    """Separable Gaussian blur, sigma (pixels) uniform in `sigma_range` (VISSL ImgPilGaussianBlur).
+
+    The kernel spans ~10% of the image side as in SimCLR (appendix A); edges are reflected so the
+    border does not darken.
+    """
+    sigma = _uniform(seed, sigma_range[0], sigma_range[1])
+    side = image.shape[0] or 32  # static after the crop; a fallback keeps dynamic shapes working
+    radius = max(1, int(math.ceil(0.1 * side)) // 2)
+    x = tf.range(-radius, radius + 1, dtype=tf.float32)
+    kernel = tf.exp(-(x**2) / (2.0 * sigma**2))
+    kernel = kernel / tf.reduce_sum(kernel)
+    padded = tf.pad(image[None], [[0, 0], [radius, radius], [radius, radius], [0, 0]], "REFLECT")
+    k_h = tf.tile(tf.reshape(kernel, [-1, 1, 1, 1]), [1, 1, 3, 1])
+    k_w = tf.tile(tf.reshape(kernel, [1, -1, 1, 1]), [1, 1, 3, 1])
+    out = tf.nn.depthwise_conv2d(padded, k_h, [1, 1, 1, 1], "VALID")
+    out = tf.nn.depthwise_conv2d(out, k_w, [1, 1, 1, 1], "VALID")
+    return tf.clip_by_value(out[0], 0.0, 1.0)
+
+
+def solarize(image: tf.Tensor, threshold: float = 128 / 255) -> tf.Tensor:
+    """Invert pixels at or above the threshold (PIL ImageOps.solarize at 128, as BYOL/VISSL)."""
+    return tf.where(image < threshold, image, 1.0 - image)
+
+
+def normalize(image: tf.Tensor, mean: Sequence[float], std: Sequence[float]) -> tf.Tensor:
+    """(x - mean) / std per channel, the ToTensor + Normalize ending of VISSL's pipelines."""
+    mean_t = tf.constant(mean, tf.float32)
+    std_t = tf.constant(std, tf.float32)
+    return (image - mean_t) / std_t
+
+
+def ssl_view(image: tf.Tensor, seed: Seed, size: int, augment) -> tf.Tensor:
+    """One augmented, normalised view of `image` (float32 [0, 1]) under `augment` (a ConfigDict).
+
+    Each transform gets its own sub-seed, so changing one probability does not reshuffle the
+    randomness of the others.
+    """
+    crop_s, flip_s, color_s, blur_s, solar_s = tf.unstack(
+        tf.random.experimental.stateless_split(seed, 5)
+    )
+    image = random_resized_crop(image, crop_s, size, augment.crop_scale, augment.crop_ratio)
+    image = random_flip(image, flip_s, augment.flip_prob)
+    image = color_distortion(
+        image, color_s, augment.color_strength, augment.color_jitter_prob, augment.grayscale_prob
+    )
+    image = random_apply(
+        lambda x, sd: gaussian_blur(x, sd, augment.blur_sigma), augment.blur_prob, image, blur_s
+    )
+    image = random_apply(lambda x, _: solarize(x), augment.solarize_prob, image, solar_s)
+    return normalize(image, augment.mean, augment.std)
+
+
+def eval_image(image: tf.Tensor, size: int, mean: Sequence[float], std: Sequence[float]):
+    """Resize the shorter side to size/0.875 and centre-crop size^2 (the standard ImageNet eval).
+
+    Images whose shorter side is at most `size` (CIFAR, the demo set) are resized straight to
+    size^2: upscaling then cropping 12.5% away would only lose content.
+    """
+    shape = tf.shape(image)
+    h = tf.cast(shape[0], tf.float32)
+    w = tf.cast(shape[1], tf.float32)
+    short = tf.minimum(h, w)
+
+    def resize_crop() -> tf.Tensor:
+        scale = (size / 0.875) / short
+        new_h = tf.cast(tf.round(h * scale), tf.int32)
+        new_w = tf.cast(tf.round(w * scale), tf.int32)
+        resized = tf.image.resize(image, tf.stack([new_h, new_w]), "bilinear", antialias=True)
+        top = (new_h - size) // 2
+        left = (new_w - size) // 2
+        return tf.slice(resized, tf.stack([top, left, 0]), [size, size, 3])
+
+    def resize_only() -> tf.Tensor:
+        return tf.image.resize(image, (size, size), "bilinear", antialias=True)
+
+    out = tf.cond(short <= size, resize_only, resize_crop)
+    out = tf.clip_by_value(tf.ensure_shape(out, [size, size, 3]), 0.0, 1.0)
+    return normalize(out, mean, std)

@@ -1,0 +1,37 @@
+"""SSL methods. Each is a module ``jssl.methods.<name>`` exposing ``make(config) -> Method``.
+
+A Method bundles pure functions that the one generic train step calls (DESIGN.md, "The method
+interface"). ``loss`` and ``after_update`` run per replica inside ``jax.shard_map`` over the
+``data`` axis, so they may use named collectives (``jax.lax.all_gather(x, "data")``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import ml_collections
+
+METHODS = ("moco",)
+
+
+class Method(NamedTuple):
+    # (rng, sample_images) -> TrainState fields: dict(params, batch_stats, ema_params,
+    # ema_batch_stats, method_state); the optimizer state is added by the caller.
+    init: Callable[..., dict[str, Any]]
+    # (params, state, batch, rng, train) -> (loss, (metrics, updates)); differentiated w.r.t.
+    # params. ``updates`` carries what after_update needs (new BN statistics, keys, ...).
+    loss: Callable[..., Any]
+    # (state, updates) -> state, after the optimizer step: EMA teacher, queues, BN statistics.
+    after_update: Callable[..., Any]
+    # The flax module whose taps the evaluation reads (online trunk + heads).
+    model: Any
+
+
+def get(config: ml_collections.ConfigDict) -> Method:
+    """Imports ``jssl.methods.<config.method.name>`` and builds its Method."""
+    name = config.method.name
+    if name not in METHODS:
+        raise ValueError(f"method.name={name!r} is not one of {METHODS}; set --config.method.name.")
+    return importlib.import_module(f"jssl.methods.{name}").make(config)

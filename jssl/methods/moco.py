@@ -1,0 +1,136 @@
+"""MoCo v2 (He et al. 2020, "Momentum Contrast for Unsupervised Visual Representation
+Learning"; Chen et al. 2020, "Improved Baselines ..."), as in VISSL's MoCo hook and
+vissl/losses/moco_loss.py.
+
+Per step: the query encoder embeds view 1; the momentum (key) encoder, an EMA of the query
+encoder, embeds view 2; InfoNCE against a queue of earlier keys; the keys of the whole
+global batch are enqueued. The EMA runs after the optimizer update of step t and so equals
+MoCo's update at the start of step t+1 (both are m * key + (1 - m) * query_after_step_t).
+
+Deliberate differences from VISSL:
+- The initial queue is random unit vectors as in VISSL, drawn from jax.random.
+- Per-device batch-norm running statistics (sync_bn=False) are averaged over devices after
+  each step, so the replicated state stays consistent; PyTorch DDP instead broadcasts
+  rank 0's buffers. Training-mode normalisation still uses per-device batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from jssl import losses, models
+from jssl.methods import Method
+from jssl.parallel import DATA_AXIS
+
+
+def make(config: ml_collections.ConfigDict) -> Method:
+    mcfg = config.method
+    sync_bn = config.model.sync_bn
+    model = models.build_model(config.model, bn_axis_name=DATA_AXIS if sync_bn else None)
+    embedding_dim = config.model.head_dims[-1]
+    shuffle_bn = mcfg.shuffle_bn and not sync_bn
+
+    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
+        params_rng, queue_rng = jax.random.split(rng)
+        variables = model.init(params_rng, images, train=False)
+        queue = losses.l2_normalize(
+            jax.random.normal(queue_rng, (mcfg.queue_size, embedding_dim), jnp.float32)
+        )
+        return dict(
+            params=variables["params"],
+            batch_stats=variables["batch_stats"],
+            # The key encoder starts as a copy of the query encoder (MoCo Alg. 1).
+            ema_params=jax.tree.map(jnp.copy, variables["params"]),
+            ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
+            method_state={"queue": queue, "queue_ptr": jnp.zeros((), jnp.int32)},
+        )
+
+    def key_embeddings(state, images, rng, train):
+        variables = {"params": state.ema_params, "batch_stats": state.ema_batch_stats}
+        if not train:
+            return model.apply(variables, images, train=False)["head"], state.ema_batch_stats
+        if shuffle_bn:
+            images, unshuffle = _shuffle_across_devices(images, rng)
+        out, mutated = model.apply(variables, images, train=True, mutable=["batch_stats"])
+        keys = out["head"]
+        if shuffle_bn:
+            keys = unshuffle(keys)
+        return keys, mutated["batch_stats"]
+
+    def loss(params, state, batch, rng, train: bool = True):
+        view_q, view_k = batch["views"][0], batch["views"][1]
+        variables = {"params": params, "batch_stats": state.batch_stats}
+        if train:
+            out, mutated = model.apply(variables, view_q, train=True, mutable=["batch_stats"])
+            batch_stats = mutated["batch_stats"]
+        else:
+            out, batch_stats = model.apply(variables, view_q, train=False), state.batch_stats
+        keys, ema_batch_stats = key_embeddings(state, view_k, rng, train)
+        keys = jax.lax.stop_gradient(losses.l2_normalize(keys.astype(jnp.float32)))
+        value, metrics = losses.info_nce_with_queue(
+            out["head"], keys, state.method_state["queue"], mcfg.temperature
+        )
+        updates = {
+            "batch_stats": batch_stats,
+            "ema_batch_stats": ema_batch_stats,
+            # The queue is shared, so every replica enqueues the keys of the global batch.
+            "keys": jax.lax.all_gather(keys, DATA_AXIS, tiled=True),
+        }
+        return value, (metrics, updates)
+
+    def after_update(state, updates):
+        queue, ptr = state.method_state["queue"], state.method_state["queue_ptr"]
+        keys = updates["keys"]
+        # queue_size % global batch == 0 is checked at start-up, so a write never wraps.
+        queue = jax.lax.dynamic_update_slice(queue, keys.astype(queue.dtype), (ptr, 0))
+        ptr = (ptr + keys.shape[0]) % queue.shape[0]
+        ema_params = optax.incremental_update(state.params, state.ema_params, 1.0 - mcfg.momentum)
+        return state.replace(
+            batch_stats=_mean_over_devices(updates["batch_stats"]),
+            ema_params=ema_params,
+            ema_batch_stats=_mean_over_devices(updates["ema_batch_stats"]),
+            method_state={"queue": queue, "queue_ptr": ptr},
+        )
+
+    return Method(init=init, loss=loss, after_update=after_update, model=model)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Start-up checks that would otherwise fail deep inside the step."""
+    queue, batch = config.method.queue_size, config.data.batch_size
+    if queue % batch:
+        raise ValueError(
+            f"method.queue_size={queue} must be a multiple of data.batch_size={batch} "
+            "(MoCo enqueues whole global batches); change either with --config.method.queue_size "
+            "or --config.data.batch_size."
+        )
+
+
+def _mean_over_devices(tree):
+    return jax.tree.map(lambda x: jax.lax.pmean(x, DATA_AXIS), tree)
+
+
+def _shuffle_across_devices(images: jax.Array, rng: jax.Array):
+    """MoCo's shuffle-BN: the key encoder sees a random global permutation of the batch, so
+    per-device batch-norm statistics of keys and queries come from different samples.
+
+    Every replica draws the same permutation from the shared rng, gathers all images, runs
+    its slice, and ``unshuffle`` restores the local keys' original order.
+    """
+    local = images.shape[0]
+    index = jax.lax.axis_index(DATA_AXIS)
+    everything = jax.lax.all_gather(images, DATA_AXIS, tiled=True)
+    perm = jax.random.permutation(rng, everything.shape[0])
+    mine = jax.lax.dynamic_slice_in_dim(everything[perm], index * local, local)
+
+    def unshuffle(keys: jax.Array) -> jax.Array:
+        gathered = jax.lax.all_gather(keys, DATA_AXIS, tiled=True)  # in permuted order
+        restored = gathered[jnp.argsort(perm)]
+        return jax.lax.dynamic_slice_in_dim(restored, index * local, local)
+
+    return mine, unshuffle

@@ -1,0 +1,115 @@
+"""Models: ResNet trunks, MLP heads and the trunk+head model, built from ``config.model``.
+
+The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
+(``vissl/config/defaults.yaml``) flattened into one ``ml_collections.ConfigDict``:
+
+  trunk               "resnet{18,34,50,101,152}"
+  width_multiplier    scales every channel width (SimCLR's wide ResNets)
+  cifar_stem          3x3 stride-1 stem without max-pool, for 32px images
+  zero_init_residual  zero gamma on each block's last BN (Goyal et al. 2017)
+  head_dims           (in, hidden..., out) of the MLP head; () for no head
+  head_bn             BN after each hidden layer of the head
+  dtype               "float32" | "bfloat16" computation dtype
+  sync_bn             read by the caller, who passes ``bn_axis_name`` accordingly
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import ml_collections
+
+from jssl.models.heads import MLPHead
+from jssl.models.model import TrunkAndHead
+from jssl.models.resnet import ResNet, feature_dim, supported_depths
+
+__all__ = [
+    "MLPHead",
+    "ResNet",
+    "TrunkAndHead",
+    "build_model",
+    "build_trunk",
+    "default_config",
+    "trunk_feature_dim",
+]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """ResNet-50 with SimCLR's 2048-2048-128 projection head."""
+    return ml_collections.ConfigDict(
+        {
+            "trunk": "resnet50",
+            "width_multiplier": 1.0,
+            "cifar_stem": False,
+            "zero_init_residual": False,
+            "head_dims": (2048, 2048, 128),
+            "head_bn": False,
+            "dtype": "float32",
+            "sync_bn": True,
+        }
+    )
+
+
+def _depth(trunk: str) -> int:
+    valid = [f"resnet{d}" for d in supported_depths()]
+    match = re.fullmatch(r"resnet(\d+)", trunk)
+    if match is None or int(match.group(1)) not in supported_depths():
+        raise ValueError(f"Unknown trunk {trunk!r}; valid trunks: {valid}")
+    return int(match.group(1))
+
+
+def _dtype(name: str) -> jnp.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"Unknown model dtype {name!r}; valid: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def trunk_feature_dim(model_config: ml_collections.ConfigDict) -> int:
+    """Width of the trunk's ``avgpool`` features, e.g. 2048 for resnet50, 512 for resnet18."""
+    return feature_dim(_depth(model_config.trunk), model_config.width_multiplier)
+
+
+def build_trunk(
+    model_config: ml_collections.ConfigDict,
+    *,
+    bn_axis_name: str | None = None,
+    num_classes: int | None = None,
+) -> ResNet:
+    """The ResNet trunk described by ``model_config`` (with an ``fc`` if ``num_classes``)."""
+    return ResNet(
+        depth=_depth(model_config.trunk),
+        width_multiplier=model_config.width_multiplier,
+        cifar_stem=model_config.cifar_stem,
+        zero_init_residual=model_config.zero_init_residual,
+        num_classes=num_classes,
+        dtype=_dtype(model_config.dtype),
+        bn_axis_name=bn_axis_name,
+    )
+
+
+def build_model(
+    model_config: ml_collections.ConfigDict, *, bn_axis_name: str | None = None
+) -> TrunkAndHead:
+    """Trunk + MLP head (none when ``head_dims`` is empty), fed from the ``avgpool`` tap."""
+    trunk = build_trunk(model_config, bn_axis_name=bn_axis_name)
+    head_dims = tuple(model_config.head_dims)
+    head = None
+    if head_dims:
+        feat = trunk_feature_dim(model_config)
+        if len(head_dims) < 2 or head_dims[0] != feat:
+            raise ValueError(
+                f"model.head_dims={head_dims} must start with the trunk's feature dim "
+                f"({model_config.trunk}, width_multiplier={model_config.width_multiplier} -> "
+                f"{feat}) and have an output dim; set e.g. "
+                f"model.head_dims=({feat}, {feat}, 128), or () for no head."
+            )
+        head = MLPHead(
+            dims=head_dims,
+            use_bn=model_config.head_bn,
+            dtype=_dtype(model_config.dtype),
+            bn_axis_name=bn_axis_name,
+        )
+    return TrunkAndHead(trunk=trunk, head=head)

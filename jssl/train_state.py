@@ -1,0 +1,54 @@
+"""The functional TrainState carried through the one compiled train step.
+
+Everything that changes during training lives here, so a checkpoint of this pytree (plus the
+data position) is a complete snapshot of a run. The optimizer itself (an optax
+GradientTransformation) is not state and stays outside.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+PyTree = Any
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates applied so far
+    params: PyTree  # online network (trunk + heads) parameters
+    batch_stats: PyTree  # batch-norm running statistics of the online network
+    opt_state: PyTree
+    ema_params: PyTree  # momentum ("teacher"/key) encoder parameters, {} if the method has none
+    ema_batch_stats: PyTree  # its batch-norm statistics
+    method_state: PyTree  # queue, centre, ... ({} if none)
+    rng: jax.Array  # base key; each step folds in its step number
+    # Step at which the loss or gradients first became non-finite; -1 while all is well. The
+    # step then keeps the previous parameters, so nothing is lost when the host notices.
+    nonfinite_step: jax.Array
+
+
+def create(
+    *,
+    params: PyTree,
+    batch_stats: PyTree,
+    tx: Any,
+    rng: jax.Array,
+    ema_params: PyTree | None = None,
+    ema_batch_stats: PyTree | None = None,
+    method_state: PyTree | None = None,
+) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        batch_stats=batch_stats,
+        opt_state=tx.init(params),
+        ema_params={} if ema_params is None else ema_params,
+        ema_batch_stats={} if ema_batch_stats is None else ema_batch_stats,
+        method_state={} if method_state is None else method_state,
+        rng=rng,
+        nonfinite_step=jnp.full((), -1, jnp.int32),
+    )

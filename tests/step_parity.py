@@ -1,0 +1,78 @@
+"""Runs a few MoCo train steps on a fixed global batch and saves loss and parameters.
+
+Used by tests/test_parallel.py in subprocesses with different device and process counts
+(the device count is fixed by XLA_FLAGS before JAX starts, hence a separate process).
+
+  python tests/step_parity.py OUT.npz [--process_id I --num_processes N --port P]
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--process_id", type=int, default=0)
+    p.add_argument("--num_processes", type=int, default=1)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--sync_bn", type=int, default=1)
+    p.add_argument("--steps", type=int, default=2)
+    args = p.parse_args()
+
+    from jssl import parallel
+
+    if args.num_processes > 1:
+        parallel.initialize(f"localhost:{args.port}", args.num_processes, args.process_id)
+    import jax
+    import numpy as np
+    from jax.flatten_util import ravel_pytree
+
+    from configs import moco
+    from jssl import methods
+    from jssl.engines.train import init_state, make_optimizer
+    from jssl.train_step import make_train_step
+
+    config = moco.get_config("test")
+    config.model.sync_bn = bool(args.sync_bn)
+    config.data.batch_size = 16
+    config.method.queue_size = 32  # two batches: the second step sees enqueued keys
+    mesh = parallel.make_mesh()
+    method = methods.get(config)
+    tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
+    size = config.data.image_size
+    state = init_state(config, method, tx, mesh)
+    step = make_train_step(method, tx, schedule, mesh)
+
+    rs = np.random.RandomState(0)
+    losses = []
+    for _ in range(args.steps):
+        views = tuple(rs.normal(size=(16, size, size, 3)).astype(np.float32) for _ in range(2))
+        full = {"views": views, "label": np.zeros(16, np.int32), "index": np.arange(16)}
+        rows = slice(
+            jax.process_index() * 16 // jax.process_count(),
+            (jax.process_index() + 1) * 16 // jax.process_count(),
+        )
+        local = jax.tree.map(lambda x, rows=rows: x[rows], full)
+        state, metrics = step(state, parallel.host_batch_to_global(local, mesh))
+        losses.append(float(parallel.global_to_host(metrics)["loss"]))
+    host = parallel.global_to_host(
+        {"params": state.params, "ema": state.ema_params, "queue": state.method_state["queue"]}
+    )
+    if jax.process_index() == 0:
+        np.savez(
+            args.out,
+            loss=np.array(losses),
+            params=ravel_pytree(host["params"])[0],
+            ema=ravel_pytree(host["ema"])[0],
+            queue=host["queue"],
+            devices=jax.device_count(),
+        )
+
+
+if __name__ == "__main__":
+    main()
