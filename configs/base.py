@@ -77,6 +77,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     o.betas = (0.9, 0.999)
     o.grad_clip_norm = 0.0
 
+    c.init = ml_collections.ConfigDict()
+    # Weights to start from when the workdir has no checkpoint: a jssl workdir or checkpoint
+    # step dir, or a VISSL .torch / torchvision .pth file (trunk only). "" = from scratch.
+    c.init.checkpoint = ""
+
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # >0: also save every N steps (always at the end of an epoch)
     c.checkpoint.max_to_keep = 3
@@ -90,6 +95,15 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.knn.train_split = "train"
     c.knn.test_split = "test"
     c.knn.batch_size = 256
+
+    c.probe = ml_collections.ConfigDict()
+    # Online linear probe on stop-gradient trunk (avgpool) features, trained in the step
+    # with its own optimizer (BYOL App. C). num_classes=0 turns it off.
+    c.probe.num_classes = 0
+    c.probe.learning_rate = 0.1
+    c.probe.weight_decay = 0.0
+
+    c.eval_outputs = True  # per-example test-split outputs in workdir/eval/epoch_<n>/
 
     c.debug = ml_collections.ConfigDict()
     c.debug.nans = False  # jax_debug_nans: fail at the first op producing a NaN (slow)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,8 @@ def restore_or_none(manager: ocp.CheckpointManager, target: Any) -> tuple[Any, D
     """Restores the newest readable checkpoint onto ``target``'s structure and shardings.
 
     A checkpoint that fails to read (truncated files, a wrong model config) is reported and
-    the next older one is tried; if checkpoints exist but none is readable, this raises
+    the next older one is tried (newer unreadable ones are then renamed aside, see
+    ``_move_aside``); if checkpoints exist but none is readable, this raises
     rather than silently training from scratch over them.
     """
     steps = sorted(manager.all_steps(), reverse=True)
@@ -96,11 +99,35 @@ def restore_or_none(manager: ocp.CheckpointManager, target: Any) -> tuple[Any, D
             errors.append(f"  {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             continue
         if step != steps[0]:
-            logging.warning("Resumed from step %d: newer checkpoints were unreadable.", step)
+            _move_aside(manager, [s for s in steps if s > step])
         return restored["state"], DataPosition(**restored["data"])
     raise CheckpointError(
         "None of the checkpoints in "
         f"{manager.directory} could be restored:\n" + "\n".join(errors) + "\n"
         "If the model config changed since they were written, use the original config or a "
         "new --workdir; if they are corrupt, move them away to start over."
+    )
+
+
+def _move_aside(manager: ocp.CheckpointManager, unreadable: list[int]) -> None:
+    """Renames unreadable checkpoints to ``<step>.unreadable-<time>``, which orbax ignores.
+
+    Left in place, the run resumed from an older step would skip saving those steps again
+    (``save`` never overwrites) and the next restart would meet the same unreadable files.
+    """
+    suffix = f"unreadable-{int(time.time())}"
+    if jax.process_index() == 0:
+        for step in unreadable:
+            path = os.path.join(manager.directory, str(step))
+            os.rename(path, f"{path}.{suffix}")
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jssl_checkpoint_move_aside")
+    manager.reload()
+    logging.warning(
+        "Resumed from step %d: the newer, unreadable checkpoints %s were renamed to "
+        "<step>.%s in %s; delete them once inspected.",
+        manager.latest_step(),
+        unreadable,
+        suffix,
+        manager.directory,
     )

@@ -14,7 +14,7 @@ def l2_normalize(x: jax.Array, axis: int = -1, eps: float = 1e-12) -> jax.Array:
 
 def info_nce_with_queue(
     query: jax.Array, key: jax.Array, queue: jax.Array, temperature: float
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
     """MoCo's InfoNCE loss (He et al. 2020, Eq. 1; VISSL vissl/losses/moco_loss.py).
 
     Args:
@@ -26,8 +26,8 @@ def info_nce_with_queue(
 
     Returns:
       The mean cross-entropy of classifying the positive (index 0) among 1 + K logits,
-      and per-batch diagnostics (accuracy of that classification, mean positive/negative
-      cosine similarity).
+      per-batch diagnostics (accuracy of that classification, mean positive/negative
+      cosine similarity), and the (n,) per-example losses.
     """
     query = l2_normalize(query.astype(jnp.float32))
     key = l2_normalize(key.astype(jnp.float32))
@@ -40,4 +40,4 @@ def info_nce_with_queue(
         "pos_similarity": jnp.mean(pos),
         "neg_similarity": jnp.mean(neg),
     }
-    return jnp.mean(per_example), metrics
+    return jnp.mean(per_example), metrics, per_example

@@ -39,3 +39,50 @@ def write_views(writer, views: Sequence[np.ndarray], augment_config) -> None:
         for (h, _), group in by_size.items()
     }
     writer.write_images(0, images)
+
+
+# A qualitative palette (10 well separated colours), then cycled for more classes.
+_PALETTE = np.array(
+    [
+        [31, 119, 180],
+        [255, 127, 14],
+        [44, 160, 44],
+        [214, 39, 40],
+        [148, 103, 189],
+        [140, 86, 75],
+        [227, 119, 194],
+        [127, 127, 127],
+        [188, 189, 34],
+        [23, 190, 207],
+    ],
+    np.uint8,
+)
+
+
+def pca_2d(x: np.ndarray) -> np.ndarray:
+    """The first two principal components of the rows of ``x`` (via SVD of centred data)."""
+    x = x.reshape(len(x), -1).astype(np.float64)
+    x = x - x.mean(axis=0)
+    _, _, vt = np.linalg.svd(x, full_matrices=False)
+    return x @ vt[:2].T
+
+
+def embedding_picture(x: np.ndarray, labels: np.ndarray, size: int = 384) -> np.ndarray:
+    """A scatter plot (uint8 HxWx3) of the 2-D PCA of ``x``, one colour per class."""
+    points = pca_2d(x)
+    lo, hi = points.min(axis=0), points.max(axis=0)
+    margin = 8
+    scaled = (points - lo) / np.maximum(hi - lo, 1e-12) * (size - 2 * margin - 1) + margin
+    image = np.full((size, size, 3), 255, np.uint8)
+    cols, rows = scaled[:, 0].astype(int), (size - 1 - scaled[:, 1]).astype(int)
+    colours = _PALETTE[np.asarray(labels) % len(_PALETTE)]
+    for dy in (-1, 0, 1):  # 3x3 dots
+        for dx in (-1, 0, 1):
+            image[np.clip(rows + dy, 0, size - 1), np.clip(cols + dx, 0, size - 1)] = colours
+    return image
+
+
+def save_png(path: str, image: np.ndarray) -> None:
+    from PIL import Image
+
+    Image.fromarray(image).save(path)

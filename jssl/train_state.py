@@ -29,6 +29,8 @@ class TrainState:
     # Step at which the loss or gradients first became non-finite; -1 while all is well. The
     # step then keeps the previous parameters, so nothing is lost when the host notices.
     nonfinite_step: jax.Array
+    # Online linear probe {"params", "opt_state"} on stop-gradient features; {} when off.
+    probe: PyTree = struct.field(default_factory=dict)
 
 
 def create(
@@ -40,6 +42,7 @@ def create(
     ema_params: PyTree | None = None,
     ema_batch_stats: PyTree | None = None,
     method_state: PyTree | None = None,
+    probe: PyTree | None = None,
 ) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -51,4 +54,5 @@ def create(
         method_state={} if method_state is None else method_state,
         rng=rng,
         nonfinite_step=jnp.full((), -1, jnp.int32),
+        probe={} if probe is None else probe,
     )

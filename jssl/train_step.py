@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jssl import probe as online_probe
 from jssl.methods import Method
 from jssl.parallel import DATA_AXIS
 from jssl.train_state import TrainState
@@ -32,8 +33,13 @@ def make_train_step(
     tx: optax.GradientTransformation,
     schedule: Callable[[jax.Array], jax.Array],
     mesh: Mesh,
+    probe_config: Any = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-    """Builds the jitted, state-donating train step over ``mesh``."""
+    """Builds the jitted, state-donating train step over ``mesh``.
+
+    With ``probe_config`` (the run's config, probe enabled) the online linear probe is
+    trained in the same step on the method's stop-gradient ``updates["features"]``.
+    """
 
     def per_replica(state: TrainState, batch: Any):
         # Same key on every replica: methods that need agreement (shuffle-BN's permutation)
@@ -53,6 +59,12 @@ def make_train_step(
             opt_state=opt_state,
         )
         new_state = method.after_update(new_state, updates)
+        if probe_config is not None and state.probe:
+            new_probe, probe_metrics = online_probe.update(
+                probe_config, state.probe, updates["features"], batch["label"], DATA_AXIS
+            )
+            new_state = new_state.replace(probe=new_probe)
+            metrics = dict(metrics, **probe_metrics)
 
         # A non-finite loss or gradient keeps the previous state and records the step, so
         # the host can stop with a precise message and the last checkpoint stays valid.
@@ -75,15 +87,26 @@ def make_train_step(
     return jax.jit(sharded, donate_argnums=0)
 
 
-def make_eval_step(method: Method, mesh: Mesh) -> Callable[[TrainState, Any], dict]:
-    """The method's loss in evaluation mode (BN running statistics, no state updates)."""
+def make_eval_step(method: Method, mesh: Mesh) -> Callable[[TrainState, Any], tuple]:
+    """The method's loss in evaluation mode (BN running statistics, no state updates).
+
+    Returns the batch-mean metrics and per-example outputs (sharded like the batch):
+    ``per_example_loss``, ``embeddings`` (head output) and ``features`` (trunk) when the
+    method provides them, for the per-epoch evaluation dumps.
+    """
+    per_example_keys = ("per_example_loss", "embeddings", "features")
 
     def per_replica(state: TrainState, batch: Any):
-        loss, (metrics, _) = method.loss(state.params, state, batch, state.rng, train=False)
-        return jax.lax.pmean(dict(metrics, loss=loss), DATA_AXIS)
+        loss, (metrics, updates) = method.loss(state.params, state, batch, state.rng, train=False)
+        outputs = {k: updates[k].astype(jnp.float32) for k in per_example_keys if k in updates}
+        return jax.lax.pmean(dict(metrics, loss=loss), DATA_AXIS), outputs
 
     sharded = jax.shard_map(
-        per_replica, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=P(), check_vma=False
+        per_replica,
+        mesh=mesh,
+        in_specs=(P(), P(DATA_AXIS)),
+        out_specs=(P(), P(DATA_AXIS)),
+        check_vma=False,
     )
     return jax.jit(sharded)
 

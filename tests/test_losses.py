@@ -13,7 +13,8 @@ def test_info_nce_hand_computed():
     query = jnp.array([[2.0, 0.0]])  # normalised to (1, 0)
     key = jnp.array([[3.0, 0.0]])  # normalised to (1, 0): cosine 1
     queue = jnp.array([[0.0, 1.0], [-1.0, 0.0]])  # cosines 0 and -1
-    loss, metrics = losses.info_nce_with_queue(query, key, queue, temperature=0.5)
+    loss, metrics, per_example = losses.info_nce_with_queue(query, key, queue, temperature=0.5)
+    np.testing.assert_allclose(per_example, [loss], rtol=1e-6)
     # logits = (1, 0, -1) / 0.5 = (2, 0, -2); cross-entropy with the positive at index 0.
     expected = math.log(math.exp(2) + math.exp(0) + math.exp(-2)) - 2
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
@@ -26,10 +27,11 @@ def test_info_nce_batch_mean_and_wrong_positive():
     query = jnp.array([[1.0, 0.0], [0.0, 1.0]])
     key = jnp.array([[1.0, 0.0], [1.0, 0.0]])  # second query's positive is orthogonal
     queue = jnp.array([[0.0, 1.0]])
-    loss, metrics = losses.info_nce_with_queue(query, key, queue, temperature=1.0)
+    loss, metrics, per_example = losses.info_nce_with_queue(query, key, queue, temperature=1.0)
     first = math.log(math.e + 1) - 1  # logits (1, 0)
     second = math.log(1 + math.e) - 0  # logits (0, 1)
     np.testing.assert_allclose(loss, (first + second) / 2, rtol=1e-6)
+    np.testing.assert_allclose(per_example, [first, second], rtol=1e-6)
     assert float(metrics["contrastive_acc"]) == 0.5
 
 

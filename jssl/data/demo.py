@@ -2,7 +2,7 @@
 
 It exists so that every method can be run end to end on a laptop CPU without a download, through
 the same TFDS code path as ImageNet. The class is defined by the shape only; foreground and
-background colours, size, position and background gradient are random, so colour is a nuisance
+background colours, size and position are random, so colour is a nuisance
 that colour distortion teaches an SSL method to ignore (the point of SimCLR's colour ablation,
 arXiv:2002.05709 section 3). Generation is deterministic: example i of a split always comes from
 numpy seed (split, i), and shuffling is disabled so the stored order is the generation order.
@@ -27,6 +27,19 @@ CLASS_NAMES = (
     "two_dots",
 )
 SPLIT_SIZES = {"train": 8000, "test": 2000}
+# Eight well separated colours (RGB in [0, 1]).
+_PALETTE = np.array(
+    [
+        [0.9, 0.1, 0.1],
+        [0.1, 0.7, 0.2],
+        [0.15, 0.3, 0.9],
+        [0.95, 0.85, 0.1],
+        [0.6, 0.2, 0.8],
+        [0.1, 0.8, 0.85],
+        [0.95, 0.5, 0.1],
+        [0.5, 0.5, 0.5],
+    ]
+)
 _SPLIT_SEEDS = {"train": 0, "test": 1}  # different seeds: test images are not copies of train ones
 
 
@@ -65,18 +78,15 @@ def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
     size = IMAGE_SIZE
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
 
-    background = rng.uniform(0.0, 1.0, 3)
-    foreground = rng.uniform(0.0, 1.0, 3)
-    # Keep the shape visible: push the foreground away from the background when they are close.
-    while np.abs(foreground - background).sum() < 0.6:
-        foreground = rng.uniform(0.0, 1.0, 3)
-
-    # Background: a gentle random gradient. No per-image texture pattern: a distinctive one
-    # (stripes of random frequency, v1.0.0) lets contrastive methods match two crops by the
-    # background alone and never look at the shape.
-    angle = rng.uniform(0, 2 * np.pi)
-    gradient = (np.cos(angle) * xx + np.sin(angle) * yy) / size * rng.uniform(0.0, 0.3)
-    image = background[None, None, :] + gradient[..., None]
+    # Colours come from a small shared palette, so that many images (of every class) share
+    # each (background, foreground) pair: telling one image from the others then takes its
+    # shape, size and position, which is what an SSL method should learn. Continuous random
+    # colours (v1.0, v1.1) made the colour pair, and a random background gradient direction,
+    # a per-image identity that survives cropping and colour jitter, and contrastive methods
+    # learned those instead of shapes.
+    bg, fg = rng.choice(len(_PALETTE), size=2, replace=False)
+    background, foreground = _PALETTE[bg], _PALETTE[fg]
+    image = np.broadcast_to(background, (size, size, 3)).astype(np.float64)
 
     # Large, roughly central shapes, so most random crops still contain part of the shape.
     radius = rng.uniform(8.0, 13.0)
@@ -90,10 +100,11 @@ def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
 class JsslDemo(tfds.core.GeneratorBasedBuilder):
     """TFDS builder "jssl_demo": procedurally generated shapes, no download."""
 
-    VERSION = tfds.core.Version("1.1.0")
+    VERSION = tfds.core.Version("1.2.0")
     RELEASE_NOTES = {
         "1.0.0": "Initial release: 10 shape classes, 8000 train / 2000 test.",
         "1.1.0": "Plain gradient backgrounds and larger, central shapes (no texture shortcut).",
+        "1.2.0": "Palette colours shared across images, uniform backgrounds (no identity cues).",
     }
     # No download, so no checksums file to locate. Locating it (the inherited `code_path`) imports
     # the `importlib_resources` backport, which TFDS 4.9.10 does not declare as a dependency.
@@ -101,7 +112,7 @@ class JsslDemo(tfds.core.GeneratorBasedBuilder):
 
     def _info(self) -> tfds.core.DatasetInfo:
         return self.dataset_info_from_configs(
-            description="10 classes of randomly coloured shapes on gradient backgrounds.",
+            description="10 classes of shapes in palette colours on uniform backgrounds.",
             features=tfds.features.FeaturesDict(
                 {
                     "image": tfds.features.Image(shape=(IMAGE_SIZE, IMAGE_SIZE, 3)),

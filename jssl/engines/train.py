@@ -19,7 +19,7 @@ import ml_collections
 from absl import logging
 from clu import metric_writers, parameter_overview, periodic_actions
 
-from jssl import checkpoint, data, methods, optim, parallel, summaries, train_state
+from jssl import checkpoint, data, methods, models, optim, parallel, probe, summaries, train_state
 from jssl.engines import monitor
 from jssl.train_step import make_eval_step, make_forward, make_train_step
 
@@ -69,7 +69,8 @@ def init_state(config: ml_collections.ConfigDict, method: methods.Method, tx, me
 
     def create():
         fields = method.init(init_rng, sample)
-        return train_state.create(**fields, tx=tx, rng=state_rng)
+        online_probe = probe.init(config, models.trunk_feature_dim(config.model))
+        return train_state.create(**fields, tx=tx, rng=state_rng, probe=online_probe)
 
     return jax.jit(create, out_shardings=parallel.replicated(mesh))()
 
@@ -108,6 +109,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     mesh = parallel.make_mesh()
     method = methods.get(config)
     steps_per_epoch = data.steps_per_epoch(config.data, jax.process_count())
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"The train split has {data.num_examples(config.data, config.data.train_split)} "
+            f"examples, fewer than one global batch (data.batch_size={config.data.batch_size}); "
+            "lower --config.data.batch_size or use more data (data.train_subset)."
+        )
     total_steps = steps_per_epoch * config.num_epochs
     tx, schedule = make_optimizer(config, method, steps_per_epoch)
     state = init_state(config, method, tx, mesh)
@@ -147,7 +154,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if baseline is not None:
             summary["knn_random_init"] = baseline
 
-    train_step = make_train_step(method, tx, schedule, mesh)
+    train_step = make_train_step(
+        method, tx, schedule, mesh, probe_config=config if probe.enabled(config) else None
+    )
     eval_step = make_eval_step(method, mesh)
     report = periodic_actions.ReportProgress(
         num_train_steps=total_steps, writer=writer, every_steps=config.log_every_steps
@@ -177,8 +186,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         check_finite()
         checkpoint.save(manager, state, pos, force=force)
 
+    tested_at, test = -1, {}
     with _Preemption() as preemption:
         for epoch in range(position.epoch, config.num_epochs):
+            if step >= max_steps:  # a rerun of a run that already reached debug.max_steps
+                break
             start = position.step_in_epoch if epoch == position.epoch else 0
             batches = data.build_train_dataset(
                 config.data,
@@ -188,6 +200,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                 process_index=jax.process_index(),
                 process_count=jax.process_count(),
             )
+            step_in_epoch = start - 1  # the last batch trained, for _position_after
             for step_in_epoch, host_batch in enumerate(batches.as_numpy_iterator(), start):
                 if step == 0:
                     summaries.write_views(writer, host_batch["views"], config.data.augment)
@@ -214,13 +227,29 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                     save(next_pos)
                 if preemption.requested or step >= max_steps:
                     break
-            if preemption.requested or step >= max_steps:
-                save(_position_after(epoch, step_in_epoch, steps_per_epoch), force=True)
-                break
-            save(checkpoint.DataPosition(epoch + 1, 0), force=True)
-            if config.test_every_epochs > 0 and (epoch + 1) % config.test_every_epochs == 0:
-                test = monitor.test_phase(config, eval_step, forward, state, mesh)
+            next_pos = _position_after(epoch, step_in_epoch, steps_per_epoch)
+            save(next_pos, force=True)
+            # The test phase follows every completed epoch, the last one included (max_steps
+            # defaults to the total, so reaching it is not in itself an early stop); a
+            # preempted run leaves as fast as it can.
+            epoch_done = next_pos.epoch == epoch + 1
+            test_due = config.test_every_epochs > 0 and (epoch + 1) % config.test_every_epochs == 0
+            if epoch_done and test_due and not preemption.requested:
+                test = monitor.test_phase(
+                    config,
+                    eval_step,
+                    forward,
+                    state,
+                    mesh,
+                    workdir=workdir,
+                    epoch=epoch + 1,
+                    writer=writer,
+                    step=step,
+                )
                 writer.write_scalars(step, {f"test/{k}": v for k, v in test.items()})
+                tested_at = step
+            if preemption.requested or step >= max_steps:
+                break
 
     manager.wait_until_finished()
     check_finite()
@@ -229,7 +258,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         logging.warning("Stopped by SIGTERM at step %d; rerun the same command to resume.", step)
         summary["preempted"] = True
     elif config.knn.enabled:
-        summary["knn"] = monitor.knn_eval(config, forward, state, mesh)
+        if tested_at == step:  # the last test phase already measured this very state
+            summary["knn"] = {k[4:]: v for k, v in test.items() if k.startswith("knn_")}
+        else:
+            summary["knn"] = monitor.knn_eval(config, forward, state, mesh)
         writer.write_scalars(step, {f"knn/{k}": v for k, v in summary["knn"].items()})
         if "knn_random_init" in summary:
             _print_knn_comparison(config, summary)

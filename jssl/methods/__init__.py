@@ -21,7 +21,9 @@ class Method(NamedTuple):
     # ema_batch_stats, method_state); the optimizer state is added by the caller.
     init: Callable[..., dict[str, Any]]
     # (params, state, batch, rng, train) -> (loss, (metrics, updates)); differentiated w.r.t.
-    # params. ``updates`` carries what after_update needs (new BN statistics, keys, ...).
+    # params. ``updates`` carries what after_update needs (new BN statistics, keys, ...) and,
+    # for the generic step and monitors, "features" (stop-gradient trunk avgpool of the first
+    # view: the online probe's input), "embeddings" (head output) and "per_example_loss".
     loss: Callable[..., Any]
     # (state, updates) -> state, after the optimizer step: EMA teacher, queues, BN statistics.
     after_update: Callable[..., Any]

@@ -72,7 +72,7 @@ def make(config: ml_collections.ConfigDict) -> Method:
             out, batch_stats = model.apply(variables, view_q, train=False), state.batch_stats
         keys, ema_batch_stats = key_embeddings(state, view_k, rng, train)
         keys = jax.lax.stop_gradient(losses.l2_normalize(keys.astype(jnp.float32)))
-        value, metrics = losses.info_nce_with_queue(
+        value, metrics, per_example = losses.info_nce_with_queue(
             out["head"], keys, state.method_state["queue"], mcfg.temperature
         )
         updates = {
@@ -80,6 +80,10 @@ def make(config: ml_collections.ConfigDict) -> Method:
             "ema_batch_stats": ema_batch_stats,
             # The queue is shared, so every replica enqueues the keys of the global batch.
             "keys": jax.lax.all_gather(keys, DATA_AXIS, tiled=True),
+            # For the online probe and per-example evaluation outputs (not differentiated).
+            "features": out["avgpool"],
+            "embeddings": out["head"],
+            "per_example_loss": per_example,
         }
         return value, (metrics, updates)
 

@@ -1,0 +1,144 @@
+r"""Images/s, compile time and peak memory of the MoCo train step, per model and dtype.
+
+  python benchmarks/train_step.py                         # all cases on the present devices
+  python benchmarks/train_step.py --cases=r18_32 --steps=5
+  python benchmarks/train_step.py --compare_cpu_flags     # jssl's CPU XLA flags vs XLA's defaults
+
+Cases: r18_32 = ResNet-18 (CIFAR stem) at 32 px, global batch 256; r50_224 = ResNet-50 at
+224 px, global batch 32; each in float32 and bfloat16. Synthetic inputs, so this measures the
+step alone (benchmarks/input_pipeline.py measures the data). Each case runs in its own
+process so that compile caches and XLA flags do not leak between cases.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = {
+    "r18_32": dict(trunk="resnet18", cifar_stem=True, image_size=32, batch=256, head=512),
+    "r50_224": dict(trunk="resnet50", cifar_stem=False, image_size=224, batch=32, head=2048),
+}
+
+
+def run_case(case: str, dtype: str, steps: int) -> dict:
+    """Runs in a child process: builds the MoCo step and times it."""
+    sys.path.insert(0, ROOT)
+    import jax
+    import numpy as np
+
+    from configs import moco
+    from jssl import methods, parallel
+    from jssl.engines.train import init_state, make_optimizer
+    from jssl.train_step import make_train_step
+
+    spec = CASES[case]
+    config = moco.get_config()
+    config.model.trunk = spec["trunk"]
+    config.model.cifar_stem = spec["cifar_stem"]
+    config.model.head_dims = (spec["head"], 2048, 128)
+    config.model.dtype = dtype
+    config.data.image_size = spec["image_size"]
+    config.data.batch_size = spec["batch"]
+    config.method.queue_size = 16384
+    mesh = parallel.make_mesh()
+    method = methods.get(config)
+    tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)
+    state = init_state(config, method, tx, mesh)
+    step = make_train_step(method, tx, schedule, mesh)
+
+    size, batch = spec["image_size"], spec["batch"]
+    rs = np.random.RandomState(0)
+    host = {
+        "views": tuple(rs.normal(size=(batch, size, size, 3)).astype(np.float32) for _ in "qk"),
+        "label": np.zeros(batch, np.int32),
+        "index": np.arange(batch),
+    }
+    batch_arrays = parallel.host_batch_to_global(host, mesh)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch_arrays).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batch_arrays)  # warm-up
+    jax.block_until_ready(metrics)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, batch_arrays)
+    jax.block_until_ready(metrics)
+    elapsed = time.perf_counter() - t0
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    if peak is None:  # CPU: the process's peak resident memory
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dict(
+        case=case,
+        dtype=dtype,
+        devices=f"{jax.device_count()}x{device.platform}",
+        images_per_s=steps * batch / elapsed,
+        compile_s=compile_s,
+        peak_gib=peak / 2**30,
+        loss=float(metrics["loss"]),
+    )
+
+
+def spawn(case: str, dtype: str, steps: int, default_flags: bool) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    if default_flags:
+        env["JSSL_XLA_DEFAULTS"] = "1"
+    out = subprocess.run(
+        [sys.executable, __file__, "--_child", case, dtype, str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode:
+        raise RuntimeError(f"case {case}/{dtype} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", default="r18_32,r50_224")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compare_cpu_flags", action="store_true")
+    p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args._child:
+        if not os.environ.get("JSSL_XLA_DEFAULTS"):
+            sys.path.insert(0, ROOT)
+            from jssl import parallel
+
+            parallel.configure_cpu_defaults()
+        case, dtype, steps = args._child
+        print(json.dumps(run_case(case, dtype, int(steps))))
+        return
+
+    header = (
+        f"{'case':<9} {'dtype':<9} {'devices':<8} {'img/s':>8} {'compile s':>9} {'peak GiB':>8}"
+    )
+    if args.compare_cpu_flags:
+        header += f" {'img/s XLA defaults':>18} {'speed-up':>8}"
+    print(header)
+    for case in args.cases.split(","):
+        for dtype in args.dtypes.split(","):
+            r = spawn(case, dtype, args.steps, default_flags=False)
+            line = (
+                f"{case:<9} {dtype:<9} {r['devices']:<8} {r['images_per_s']:8.1f} "
+                f"{r['compile_s']:9.1f} {r['peak_gib']:8.2f}"
+            )
+            if args.compare_cpu_flags:
+                d = spawn(case, dtype, args.steps, default_flags=True)
+                line += f" {d['images_per_s']:18.1f} {r['images_per_s'] / d['images_per_s']:7.2f}x"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
