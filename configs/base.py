@@ -100,7 +100,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Online linear probe on stop-gradient trunk (avgpool) features, trained in the step
     # with its own optimizer (BYOL App. C). num_classes=0 turns it off.
     c.probe.num_classes = 0
-    c.probe.learning_rate = 0.1
+    c.probe.learning_rate = 1e-3  # Adam
     c.probe.weight_decay = 0.0
 
     c.eval_outputs = True  # per-example test-split outputs in workdir/eval/epoch_<n>/

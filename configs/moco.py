@@ -112,6 +112,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.every_steps = 0
     c.test_every_epochs = 0
     c.probe.num_classes = 10
+    c.probe.learning_rate = 1e-2  # a few hundred steps: a zero-init probe needs larger steps
     c.knn.enabled = True
     c.knn.k = 20
     c.knn.temperature = 0.07

@@ -12,7 +12,7 @@ on the device or process count.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +84,14 @@ def collect_features(
 
     for batch in batches:
         index = np.asarray(batch["index"])
-        if index.size and (index.min() < 0 or index.max() > _MAX_INDEX):
+        mask = np.asarray(batch["mask"], bool)
+        real = index[mask]  # padding rows carry placeholder indices (the pipeline uses -1)
+        if real.size and (real.min() < 0 or real.max() > _MAX_INDEX):
             raise ValueError(f"dataset indices must lie in [0, {_MAX_INDEX}]")
         meta = {
             "label": np.asarray(batch["label"], np.int32),
-            "index": index.astype(np.int32),
-            "mask": np.asarray(batch["mask"], bool),
+            "index": np.where(mask, index, 0).astype(np.int32),
+            "mask": mask,
         }
         image, meta = parallel.host_batch_to_global((batch["image"], meta), mesh)
         taps = forward(image)
@@ -132,3 +134,35 @@ def collect_features(
         labels=np.concatenate(labels)[order],
         indices=all_indices,
     )
+
+
+def iterate_features(
+    forward: Callable[[jax.Array], Mapping[str, jax.Array]],
+    batches: Iterable[Mapping[str, np.ndarray]],
+    mesh: jax.sharding.Mesh,
+) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
+    """Streams ``(features, labels, indices)`` of the real rows of each batch, on every process.
+
+    The streaming sibling of ``collect_features`` for splits larger than host memory: each
+    global batch is gathered (features and metadata together, so rows stay aligned across
+    processes), its padding rows dropped, and handed over before the next batch is read.
+    ``forward`` maps a data-sharded image batch to the arrays to keep (already pooled; the
+    caller jits it). Rows come in data order per process, not globally sorted by index.
+    """
+    for batch in batches:
+        index = np.asarray(batch["index"])
+        if index.size and index.max() > _MAX_INDEX:
+            raise ValueError(f"dataset indices must lie in [0, {_MAX_INDEX}]")
+        meta = {
+            "label": np.asarray(batch["label"], np.int32),
+            "index": index.astype(np.int32),
+            "mask": np.asarray(batch["mask"], bool),
+        }
+        image, meta = parallel.host_batch_to_global((batch["image"], meta), mesh)
+        feats, meta = parallel.global_to_host((dict(forward(image)), meta))
+        keep = np.asarray(meta["mask"], bool)
+        yield (
+            {name: np.asarray(value)[keep] for name, value in feats.items()},
+            np.asarray(meta["label"])[keep],
+            np.asarray(meta["index"], np.int64)[keep],
+        )

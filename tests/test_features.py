@@ -123,3 +123,15 @@ if __name__ == "__main__":
         labels=result.labels,
         **result.features,
     )
+
+
+def test_padding_rows_may_carry_placeholder_indices():
+    """The data pipeline marks padding with index -1 (mask False): that is not an error."""
+
+    def marked():
+        for batch in _batches():
+            yield dict(batch, index=np.where(batch["mask"], batch["index"], -1))
+
+    result = features.collect_features(_forward, marked(), ["avgpool"], _one_device_mesh())
+    np.testing.assert_array_equal(result.indices, np.arange(NUM_EXAMPLES))
+    np.testing.assert_allclose(result.features["avgpool"], _expected()["avgpool"], rtol=1e-6)

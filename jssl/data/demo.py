@@ -93,18 +93,20 @@ def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
     cx, cy = rng.uniform(max(radius, size / 2 - 5), min(size - radius, size / 2 + 5), 2)
     mask = _shape_mask(label, xx - cx, yy - cy, radius)
     image = np.where(mask[..., None], foreground[None, None, :], image)
-    image = image + rng.normal(0.0, 0.04, image.shape)
+    # No pixel noise: an image's fixed noise pattern, shared by its overlapping crops, is a
+    # fingerprint that contrastive methods match instead of learning the shape (v1.2 had it).
     return np.clip(image * 255.0 + 0.5, 0, 255).astype(np.uint8), label
 
 
 class JsslDemo(tfds.core.GeneratorBasedBuilder):
     """TFDS builder "jssl_demo": procedurally generated shapes, no download."""
 
-    VERSION = tfds.core.Version("1.2.0")
+    VERSION = tfds.core.Version("1.3.0")
     RELEASE_NOTES = {
         "1.0.0": "Initial release: 10 shape classes, 8000 train / 2000 test.",
         "1.1.0": "Plain gradient backgrounds and larger, central shapes (no texture shortcut).",
         "1.2.0": "Palette colours shared across images, uniform backgrounds (no identity cues).",
+        "1.3.0": "No per-image pixel noise (a fingerprint shared by overlapping crops).",
     }
     # No download, so no checksums file to locate. Locating it (the inherited `code_path`) imports
     # the `importlib_resources` backport, which TFDS 4.9.10 does not declare as a dependency.

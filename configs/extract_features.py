@@ -1,0 +1,55 @@
+r"""Feature extraction from a trained jssl model (VISSL's extract_features engine,
+``vissl/engines/extract_features.py``): features, targets and dataset indices of whole
+splits, written to ``workdir/features/<split>/<layer>_{features,targets,inds}.npy``.
+
+  python launch.py --config=configs/moco.py:demo --workdir=runs/demo          # train first
+  python launch.py --config=configs/extract_features.py:demo --workdir=runs/demo_features \
+      --config.init.checkpoint=runs/demo
+  python launch.py --config=configs/extract_features.py --workdir=runs/moco_features \
+      --config.init.checkpoint=runs/moco --config.extract.layers='("res4","res5","avgpool")'
+
+The model fields must be those the checkpoint was trained with: these presets take them
+from configs/moco.py (same preset names); override ``--config.model.*`` for other runs.
+``init.checkpoint`` is a jssl workdir, a ``checkpoints/<step>`` dir or a .torch/.pth file
+(trunk only); left empty, the workdir's own checkpoints are used.
+
+Presets: "" (ImageNet ResNet-50, VISSL's ResNet-50 pooling table), "demo" (the moco demo
+model on the demo data, 32 px), "test" (tiny, for the test suite).
+"""
+
+import ml_collections
+
+from configs import moco
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    if preset not in ("", "imagenet", "demo", "test"):
+        raise ValueError(
+            f"Unknown preset {preset!r} of configs/extract_features.py: use '', 'demo' or 'test'."
+        )
+    c = moco.get_config(preset)
+    c.engine = "extract_features"
+    c.extract = ml_collections.ConfigDict()
+    e = c.extract
+    # Dataset splits to extract (TFDS slices such as "train[:10%]" work; the output dir is
+    # named after the split without the slice).
+    e.splits = (c.data.train_split, c.data.test_split)
+    # Model taps: conv1, conv1_relu, res2..res5 (NHWC maps), avgpool (VISSL's res5avg), head.
+    e.layers = ("avgpool",)
+    # jssl/pooling.py: "none" | "avg" | "avg:k,s,p" | "vissl_resnet50" (VISSL's
+    # LINEAR_EVAL_FEAT_POOL_OPS_MAP) for every layer, or "layer=spec;layer=spec".
+    e.pool = "vissl_resnet50"
+    e.batch_size = 256  # global; the last batch of a split is padded and masked
+    c.log_every_steps = 100
+
+    if preset == "demo":
+        e.pool = "avg"
+        e.batch_size = 500
+        c.log_every_steps = 4
+    elif preset == "test":
+        e.splits = ("train[:64]", "test[:40]")  # 40 = 2.5 batches: padding is exercised
+        e.layers = ("res5", "avgpool", "head")
+        e.pool = "avg"
+        e.batch_size = 16
+        c.log_every_steps = 1
+    return c

@@ -1,0 +1,165 @@
+"""End-to-end tests of ``launch.py``: real processes on the "test" preset of configs/moco.py.
+
+Each run is a subprocess with the repository root as cwd; they share one generated demo
+dataset and one JAX compilation cache under pytest's session tmp dir, so only the first run
+pays for compiling the train step.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 240
+
+
+def prepare_shared_dirs(tmp_path_factory) -> tuple[str, str]:
+    """(data_dir, compilation cache dir) under the session's tmp dir, shared by the test files;
+    the demo dataset is generated there on first use."""
+    base = tmp_path_factory.getbasetemp()
+    data_dir, cache_dir = base / "jssl_tfds", base / "jssl_jax_cache"
+    data_dir.mkdir(exist_ok=True)
+    cache_dir.mkdir(exist_ok=True)
+    import jssl.data
+    from configs import moco
+
+    config = moco.get_config("test")
+    config.data.data_dir = str(data_dir)
+    jssl.data.num_examples(config.data, "test")
+    return str(data_dir), str(cache_dir)
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+    """In-process runs recompile the same steps; JAX's persistent cache makes that cheap."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def shared_dirs(tmp_path_factory):
+    return prepare_shared_dirs(tmp_path_factory)
+
+
+def launch_env(cache_dir: str) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=cache_dir,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    return env
+
+
+def launch_args(workdir, data_dir: str, *overrides: str, preset: str = "test") -> list[str]:
+    return [
+        sys.executable,
+        "launch.py",
+        f"--config=configs/moco.py:{preset}",
+        f"--workdir={workdir}",
+        f"--config.data.data_dir={data_dir}",
+        *overrides,
+    ]
+
+
+def run_launch(workdir, shared_dirs, *overrides: str, preset: str = "test"):
+    data_dir, cache_dir = shared_dirs
+    return subprocess.run(
+        launch_args(workdir, data_dir, *overrides, preset=preset),
+        cwd=REPO,
+        env=launch_env(cache_dir),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+def read_events(logdir) -> dict[str, dict[int, str]]:
+    """{tag: {step: plugin name}} of every summary in the event files under ``logdir``."""
+    found: dict[str, dict[int, str]] = {}
+    files = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+    assert files, f"no event files in {logdir}"
+    for path in files:
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                plugin = value.metadata.plugin_data.plugin_name
+                found.setdefault(value.tag, {})[event.step] = plugin
+    return found
+
+
+def scalar_values(logdir, tag: str) -> dict[int, float]:
+    values = {}
+    for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag == tag:
+                    values[event.step] = float(tf.make_ndarray(value.tensor))
+    return values
+
+
+def test_launch_writes_config_checkpoints_and_summaries(tmp_path, shared_dirs):
+    workdir = tmp_path / "run"
+    result = run_launch(workdir, shared_dirs, "--config.optim.base_lr=0.05")
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-5000:]
+
+    with open(workdir / "config.json") as f:
+        config = json.load(f)
+    assert config["optim"]["base_lr"] == 0.05  # the override, resolved
+    assert config["data"]["data_dir"] == shared_dirs[0]
+    assert config["data"]["image_size"] == 16 and config["num_epochs"] == 2
+
+    # 64 examples / batch 16 = 4 steps per epoch, 2 epochs: end-of-epoch checkpoints 4 and 8.
+    steps = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+    assert steps == [4, 8]
+    assert os.path.isdir(workdir / "checkpoints" / "8" / "state")
+
+    events = read_events(workdir / "tensorboard")
+    for tag in ("loss", "learning_rate", "images_per_sec", "steps_per_sec"):
+        assert tag in events, sorted(events)
+        assert events[tag][8] == "scalars"
+    assert events["augmented_views_16px"] == {0: "images"}
+    losses = scalar_values(workdir / "tensorboard", "loss")
+    assert sorted(losses) == [2, 4, 6, 8]
+    assert all(0 < v < 100 for v in losses.values()), losses
+    assert "ETA" in log
+
+
+def test_misspelt_override_fails_naming_the_field(tmp_path, shared_dirs):
+    result = run_launch(tmp_path / "run", shared_dirs, "--config.optim.base_lrr=1")
+    assert result.returncode != 0
+    assert "base_lrr" in result.stderr
+    assert "base_lr" in result.stderr.replace("base_lrr", "")  # suggests the valid name
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_unknown_preset_fails_naming_the_presets(tmp_path, shared_dirs):
+    result = run_launch(tmp_path / "run", shared_dirs, preset="nope")
+    assert result.returncode != 0
+    assert "'nope'" in result.stderr
+    assert "'imagenet', 'demo' or 'test'" in result.stderr
+
+
+def test_knn_comparison_line(tmp_path, shared_dirs):
+    result = run_launch(
+        tmp_path / "run",
+        shared_dirs,
+        "--config.knn.enabled=True",
+        "--config.knn.batch_size=250",
+        # Slices keep the two kNN passes short (the demo splits hold 8000 and 2000 images).
+        "--config.knn.train_split=train[:1000]",
+        "--config.knn.test_split=test[:500]",
+        "--config.num_epochs=1",
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("kNN top-1 on test")]
+    assert len(lines) == 1, result.stdout
+    assert "learned " in lines[0] and "% vs random init " in lines[0] and lines[0].endswith("%")
+    assert os.path.exists(tmp_path / "run" / "knn_random_init.json")
