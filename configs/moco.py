@@ -99,7 +99,8 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.width_multiplier = 0.25
     c.model.cifar_stem = True
     c.model.head_dims = (128, 128, 64)
-    c.method.queue_size = 4096
+    # 8000 images: a larger queue often holds the query's own image as a negative.
+    c.method.queue_size = 1024
     c.method.momentum = 0.99
     c.method.temperature = 0.1  # MoCo's CIFAR-10 setting (T 0.1, m 0.99, queue 4096)
     c.num_epochs = 8

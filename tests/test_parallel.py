@@ -46,7 +46,10 @@ def _relative_error(a, b):
 
 
 def _assert_same(a, b):
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, atol=1e-6)
+    # Step 1 sees identical parameters: only the reduction order differs.
+    np.testing.assert_allclose(a["loss"][0], b["loss"][0], rtol=1e-5, atol=1e-6)
+    # Later steps inherit the parameter differences described below (T=0.1 amplifies them).
+    np.testing.assert_allclose(a["loss"][1:], b["loss"][1:], rtol=5e-4)
     # Parameters are compared as whole vectors: the order of float32 reductions differs
     # between 1 and N devices, and batch norm over 4-example per-device slices of 16 px
     # images amplifies it in a few gradients (seen: relative error 5e-5, the same for 4
