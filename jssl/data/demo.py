@@ -43,8 +43,11 @@ _PALETTE = np.array(
 _SPLIT_SEEDS = {"train": 0, "test": 1}  # different seeds: test images are not copies of train ones
 
 
-def _shape_mask(label: int, dx: np.ndarray, dy: np.ndarray, r: float) -> np.ndarray:
-    """Boolean mask of shape `label` centred at the origin of (dx, dy) with radius r."""
+def _shape_mask(
+    label: int, dx: np.ndarray, dy: np.ndarray, r: float, thick: float = 1.0
+) -> np.ndarray:
+    """Boolean mask of shape `label` centred at the origin of (dx, dy) with radius r; `thick`
+    scales the width of bars, arms and the ring."""
     ax, ay = np.abs(dx), np.abs(dy)
     dist2 = dx**2 + dy**2
     if label == 0:  # circle
@@ -54,18 +57,19 @@ def _shape_mask(label: int, dx: np.ndarray, dy: np.ndarray, r: float) -> np.ndar
     if label == 2:  # upward triangle
         return (dy >= -r) & (dy <= 0.8 * r) & (ax <= 0.55 * (dy + r))
     if label == 3:  # diagonal cross
-        arm = 0.3 * r
+        arm = 0.3 * r * thick
         return ((np.abs(dx - dy) <= arm) | (np.abs(dx + dy) <= arm)) & (ax <= r) & (ay <= r)
     if label == 4:  # ring
-        return (dist2 <= r**2) & (dist2 >= (0.55 * r) ** 2)
+        return (dist2 <= r**2) & (dist2 >= ((1 - 0.45 * thick) * r) ** 2)
     if label == 5:  # horizontal bar
-        return (ay <= 0.3 * r) & (ax <= r)
+        return (ay <= 0.3 * r * thick) & (ax <= r)
     if label == 6:  # vertical bar
-        return (ax <= 0.3 * r) & (ay <= r)
+        return (ax <= 0.3 * r * thick) & (ay <= r)
     if label == 7:  # diamond
         return ax + ay <= r
     if label == 8:  # plus
-        return ((ax <= 0.25 * r) & (ay <= r)) | ((ay <= 0.25 * r) & (ax <= r))
+        w = 0.25 * r * thick
+        return ((ax <= w) & (ay <= r)) | ((ay <= w) & (ax <= r))
     # two dots side by side
     dot = (0.4 * r) ** 2
     return ((dx - 0.55 * r) ** 2 + dy**2 <= dot) | ((dx + 0.55 * r) ** 2 + dy**2 <= dot)
@@ -91,7 +95,15 @@ def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
     # Large, roughly central shapes, so most random crops still contain part of the shape.
     radius = rng.uniform(8.0, 13.0)
     cx, cy = rng.uniform(max(radius, size / 2 - 5), min(size - radius, size / 2 + 5), 2)
-    mask = _shape_mask(label, xx - cx, yy - cy, radius)
+    # Per-image geometry: a stretch, a small rotation (small, so bars and crosses keep their
+    # class) and a stroke thickness. It survives crops and colour jitter, differs from image
+    # to image and belongs to the shape, so telling instances apart teaches shape features.
+    angle = rng.uniform(-np.pi / 12, np.pi / 12)
+    stretch = np.exp(rng.uniform(-0.3, 0.3))
+    dx, dy = xx - cx, yy - cy
+    rx = (np.cos(angle) * dx + np.sin(angle) * dy) * stretch
+    ry = (-np.sin(angle) * dx + np.cos(angle) * dy) / stretch
+    mask = _shape_mask(label, rx, ry, radius, thick=rng.uniform(0.6, 1.4))
     image = np.where(mask[..., None], foreground[None, None, :], image)
     # No pixel noise: an image's fixed noise pattern, shared by its overlapping crops, is a
     # fingerprint that contrastive methods match instead of learning the shape (v1.2 had it).
@@ -101,12 +113,13 @@ def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
 class JsslDemo(tfds.core.GeneratorBasedBuilder):
     """TFDS builder "jssl_demo": procedurally generated shapes, no download."""
 
-    VERSION = tfds.core.Version("1.3.0")
+    VERSION = tfds.core.Version("1.4.0")
     RELEASE_NOTES = {
         "1.0.0": "Initial release: 10 shape classes, 8000 train / 2000 test.",
         "1.1.0": "Plain gradient backgrounds and larger, central shapes (no texture shortcut).",
         "1.2.0": "Palette colours shared across images, uniform backgrounds (no identity cues).",
         "1.3.0": "No per-image pixel noise (a fingerprint shared by overlapping crops).",
+        "1.4.0": "Per-image shape geometry: stretch, small rotation, stroke thickness.",
     }
     # No download, so no checksums file to locate. Locating it (the inherited `code_path`) imports
     # the `importlib_resources` backport, which TFDS 4.9.10 does not declare as a dependency.
