@@ -48,6 +48,23 @@ def make_manager(workdir: str, *, max_to_keep: int, async_save: bool) -> ocp.Che
     )
 
 
+def resume(workdir: str, checkpoint_config: Any, state: Any):
+    """The manager of ``workdir`` and the state to continue from: the newest readable
+    checkpoint, or ``state`` itself (with a fresh data position) when there is none.
+
+    Returns (manager, state, position, resumed).
+    """
+    manager = make_manager(
+        workdir,
+        max_to_keep=checkpoint_config.max_to_keep,
+        async_save=checkpoint_config.async_save,
+    )
+    restored = restore_or_none(manager, state)
+    if restored is None:
+        return manager, state, DataPosition(), False
+    return manager, restored[0], restored[1], True
+
+
 def save(
     manager: ocp.CheckpointManager, state: Any, position: DataPosition, *, force: bool = False
 ) -> bool:

@@ -71,13 +71,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         out_shardings=parallel.replicated(mesh),
     )()
 
-    manager = checkpoint.make_manager(
-        workdir, max_to_keep=config.checkpoint.max_to_keep, async_save=config.checkpoint.async_save
-    )
-    restored = checkpoint.restore_or_none(manager, state)
-    position = checkpoint.DataPosition()
-    if restored is not None:
-        state, position = restored
+    manager, state, position, resumed = checkpoint.resume(workdir, config.checkpoint, state)
+    if resumed:
         logging.info("Resumed the linear heads from step %d.", int(state.step))
 
     train_step = linear.make_train_step(heads, tx, schedule, mesh, inputs.features_fn)

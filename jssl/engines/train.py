@@ -119,13 +119,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     tx, schedule = make_optimizer(config, method, steps_per_epoch)
     state = init_state(config, method, tx, mesh)
 
-    manager = checkpoint.make_manager(
-        workdir, max_to_keep=config.checkpoint.max_to_keep, async_save=config.checkpoint.async_save
-    )
-    restored = checkpoint.restore_or_none(manager, state)
-    position = checkpoint.DataPosition()
-    if restored is not None:
-        state, position = restored
+    manager, state, position, resumed = checkpoint.resume(workdir, config.checkpoint, state)
+    if resumed:
         logging.info(
             "Resumed from step %d (epoch %d, batch %d).",
             int(state.step),
@@ -137,7 +132,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         os.path.join(workdir, "tensorboard"), just_logging=jax.process_index() > 0
     )
     summary: dict[str, Any] = {}
-    fresh = restored is None
+    fresh = not resumed
     forward = make_forward(method, mesh)
     if fresh:
         overview = parameter_overview.get_parameter_overview(state.params)

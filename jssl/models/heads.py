@@ -10,7 +10,6 @@ transfer unchanged.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jssl.models.resnet import torch_linear_bias_init, torch_linear_kernel_init
+from jssl.models.resnet import batch_norm, torch_linear_bias_init, torch_linear_kernel_init
 
 
 class MLPHead(nn.Module):
@@ -51,14 +50,12 @@ class MLPHead(nn.Module):
         if x.ndim != 2:
             raise ValueError(f"MLPHead expects (N, C) inputs, got shape {x.shape}")
 
-        norm = functools.partial(
-            nn.BatchNorm,
-            use_running_average=not train,
+        norm = batch_norm(
+            train=train,
             momentum=self.bn_momentum,
             epsilon=self.bn_epsilon,
             axis_name=self.bn_axis_name,
             dtype=self.dtype,
-            param_dtype=jnp.float32,
         )
         x = jnp.asarray(x, self.dtype)
         n_layers = len(self.dims) - 1

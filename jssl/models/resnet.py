@@ -56,6 +56,22 @@ def torch_linear_bias_init(fan_in: int) -> Callable[..., jax.Array]:
     return init
 
 
+def batch_norm(
+    *, train: bool, momentum: float, epsilon: float, axis_name: str | None, dtype: Any
+) -> Callable[..., nn.Module]:
+    """jssl's BatchNorm: float32 parameters and statistics, compute in ``dtype``, batch
+    statistics averaged over ``axis_name`` (sync BN) when given."""
+    return functools.partial(
+        nn.BatchNorm,
+        use_running_average=not train,
+        momentum=momentum,
+        epsilon=epsilon,
+        axis_name=axis_name,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+    )
+
+
 def supported_depths() -> tuple[int, ...]:
     """The ResNet depths this module can build."""
     return tuple(sorted(_ARCHS))
@@ -166,14 +182,12 @@ class ResNet(nn.Module):
         # (force_float32_reductions), and keeps running averages in float32.
         # One difference from torch: the running variance is updated with the
         # biased batch variance (torch uses the unbiased one), a factor n/(n-1).
-        norm = functools.partial(
-            nn.BatchNorm,
-            use_running_average=not train,
+        norm = batch_norm(
+            train=train,
             momentum=self.bn_momentum,
             epsilon=self.bn_epsilon,
             axis_name=self.bn_axis_name,
             dtype=self.dtype,
-            param_dtype=jnp.float32,
         )
 
         taps: dict[str, jax.Array] = {}
