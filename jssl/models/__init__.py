@@ -9,6 +9,7 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
   zero_init_residual  zero gamma on each block's last BN (Goyal et al. 2017)
   head_dims           (in, hidden..., out) of the MLP head; () for no head
   head_bn             BN after each hidden layer of the head
+  head_last_bn        affine-free BN on the head output (MoCo v3 projector)
   dtype               "float32" | "bfloat16" computation dtype
   sync_bn             read by the caller, who passes ``bn_axis_name`` accordingly
 """
@@ -47,6 +48,7 @@ def default_config() -> ml_collections.ConfigDict:
             "zero_init_residual": False,
             "head_dims": (2048, 2048, 128),
             "head_bn": False,
+            "head_last_bn": False,
             "dtype": "float32",
             "sync_bn": True,
         }
@@ -109,6 +111,7 @@ def build_model(
         head = MLPHead(
             dims=head_dims,
             use_bn=model_config.head_bn,
+            last_bn=model_config.head_last_bn,
             dtype=_dtype(model_config.dtype),
             bn_axis_name=bn_axis_name,
         )
