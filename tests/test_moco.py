@@ -81,3 +81,40 @@ def test_unknown_method_is_clear():
     config.method.name = "mocov3"
     with pytest.raises(ValueError, match="method.name"):
         methods.get(config)
+
+
+def test_bfloat16_step_keeps_float32_state_and_loss():
+    """model.dtype=bfloat16: bf16 compute, float32 params/optimizer/BN/EMA/queue and loss."""
+    from jssl.train_step import make_train_step
+
+    config = moco.get_config("test")
+    config.model.dtype = "bfloat16"
+    mesh = parallel.make_mesh()
+    method = methods.get(config)
+    tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
+    state = init_state(config, method, tx, mesh)
+    step = make_train_step(method, tx, schedule, mesh, probe_config=config)
+    rs = np.random.RandomState(0)
+    size = config.data.image_size
+    batch = {
+        "views": tuple(rs.normal(size=(16, size, size, 3)).astype(np.float32) for _ in "qk"),
+        "label": np.zeros(16, np.int32),
+        "index": np.arange(16),
+    }
+    out = method.model.apply(
+        {"params": state.params, "batch_stats": state.batch_stats}, batch["views"][0], train=False
+    )
+    assert out["res5"].dtype == jnp.bfloat16  # compute really is bf16
+    new, metrics = step(state, parallel.host_batch_to_global(batch, mesh))
+    assert metrics["loss"].dtype == jnp.float32 and np.isfinite(float(metrics["loss"]))
+    kept = (
+        new.params,
+        new.opt_state,
+        new.batch_stats,
+        new.ema_params,
+        new.method_state["queue"],
+        new.probe,
+    )
+    floats = {x.dtype for x in jax.tree.leaves(kept) if jnp.issubdtype(x.dtype, jnp.floating)}
+    assert floats == {jnp.dtype(jnp.float32)}
+    assert int(new.step) == 1 and int(new.nonfinite_step) == -1
