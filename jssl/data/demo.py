@@ -89,7 +89,11 @@ def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
     # a per-image identity that survives cropping and colour jitter, and contrastive methods
     # learned those instead of shapes.
     bg, fg = rng.choice(len(_PALETTE), size=2, replace=False)
-    background, foreground = _PALETTE[bg], _PALETTE[fg]
+    # A dark background and a light foreground: the shape keeps its contrast under grayscale
+    # and colour jitter. Palette pairs of equal luminance (red and blue, grey and green) made the
+    # shape vanish from grayscale views (v1.4), leaving views with nothing to match.
+    background = 0.3 * _PALETTE[bg]
+    foreground = 0.45 + 0.55 * _PALETTE[fg]
     image = np.broadcast_to(background, (size, size, 3)).astype(np.float64)
 
     # Large, roughly central shapes, so most random crops still contain part of the shape.
@@ -113,13 +117,14 @@ def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
 class JsslDemo(tfds.core.GeneratorBasedBuilder):
     """TFDS builder "jssl_demo": procedurally generated shapes, no download."""
 
-    VERSION = tfds.core.Version("1.4.0")
+    VERSION = tfds.core.Version("1.5.0")
     RELEASE_NOTES = {
         "1.0.0": "Initial release: 10 shape classes, 8000 train / 2000 test.",
         "1.1.0": "Plain gradient backgrounds and larger, central shapes (no texture shortcut).",
         "1.2.0": "Palette colours shared across images, uniform backgrounds (no identity cues).",
         "1.3.0": "No per-image pixel noise (a fingerprint shared by overlapping crops).",
         "1.4.0": "Per-image shape geometry: stretch, small rotation, stroke thickness.",
+        "1.5.0": "Dark backgrounds, light foregrounds: shapes stay visible in grayscale.",
     }
     # No download, so no checksums file to locate. Locating it (the inherited `code_path`) imports
     # the `importlib_resources` backport, which TFDS 4.9.10 does not declare as a dependency.
