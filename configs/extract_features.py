@@ -43,7 +43,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.log_every_steps = 100
 
     if preset == "demo":
-        e.pool = "avg"
+        # The layers and pooling of configs/linear_eval.py:demo, so its cached-features mode
+        # (--config.linear.cached_features=<this workdir>/features) can train on them.
+        e.layers = ("res3", "res4", "res5", "avgpool")
+        e.pool = "res3=avg:4,4,0;res4=avg:4,2,0;res5=avg:2,2,0"
         e.batch_size = 500
         c.log_every_steps = 4
     elif preset == "test":
