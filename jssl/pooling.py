@@ -119,3 +119,16 @@ def layer_pools(pool: str | Mapping[str, str], layers: Sequence[str]) -> dict[st
             )
         return {layer: get_pool(pool.get(layer, "none"), layer) for layer in layers}
     return {layer: get_pool(pool, layer) for layer in layers}
+
+
+def pool_taps(
+    taps: Mapping[str, jax.Array], layers: Sequence[str], pools: Mapping[str, Pool], field: str
+) -> dict[str, jax.Array]:
+    """``{layer: pools[layer](taps[layer])}`` for ``layers``; a layer the model does not tap is
+    a KeyError naming the config ``field`` and the available taps."""
+    missing = [layer for layer in layers if layer not in taps]
+    if missing:
+        raise KeyError(
+            f"{field} names {missing}, which the model does not tap; available: {sorted(taps)}"
+        )
+    return {layer: pools[layer](taps[layer]) for layer in layers}

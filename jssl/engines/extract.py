@@ -55,13 +55,8 @@ def make_extract_fn(
 
     def extract(variables: Any, images: jax.Array) -> dict[str, jax.Array]:
         taps = model.apply(variables, images, train=False)
-        missing = [layer for layer in layers if layer not in taps]
-        if missing:
-            raise KeyError(
-                f"extract.layers has {missing}, which the model does not tap; available: "
-                f"{sorted(taps)}"
-            )
-        return {layer: pools[layer](taps[layer]).astype(jnp.float32) for layer in layers}
+        pooled = pooling.pool_taps(taps, layers, pools, "extract.layers")
+        return {layer: x.astype(jnp.float32) for layer, x in pooled.items()}
 
     return jax.jit(extract)
 

@@ -176,13 +176,7 @@ def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
 
     def features_fn(trunk_variables: PyTree, images: jax.Array) -> dict[str, jax.Array]:
         taps = model.apply(trunk_variables, images, train=False)
-        missing = [layer for layer in layers if layer not in taps]
-        if missing:
-            raise KeyError(
-                f"config.linear.layers names {missing}, not taps of the model; "
-                f"available: {sorted(taps)}"
-            )
-        return {layer: pools[layer](taps[layer]) for layer in layers}
+        return pooling.pool_taps(taps, layers, pools, "linear.layers")
 
     size = config.data.image_size
     images = jax.ShapeDtypeStruct((1, size, size, 3), jnp.float32)
