@@ -62,6 +62,7 @@ def test_train_epoch_shapes_and_counts(demo_dir):
     assert len(batch["views"]) == 2
     assert batch["views"][0].shape == (8, 16, 16, 3) and batch["views"][0].dtype == np.float32
     assert batch["label"].dtype == np.int32 and batch["index"].dtype == np.int64
+    assert batch["replaced"].dtype == bool and not batch["replaced"].any()
     assert not np.allclose(batch["views"][0], batch["views"][1])
     indices = np.concatenate([b["index"] for b in batches])
     assert sorted(indices) == list(range(48))
@@ -188,6 +189,7 @@ def test_folder_skip_corrupt_counts(tmp_path, capfd):
     config.update(dict(train_split="val", batch_size=3))
     batches = _batches(data.build_train_dataset(config, seed=0, epoch=0))
     assert len(batches) == 2  # 6 files, one unreadable: the epoch still has 6 // 3 batches
+    assert sum(int(b["replaced"].sum()) for b in batches) == 1  # its row, flagged
     assert "c_bad.jpg" in capfd.readouterr().err
 
 

@@ -3,7 +3,9 @@
 Sources: "demo" (a built-in generated TFDS dataset, offline), "tfds" (any TFDS dataset by name)
 and "folder" (root/<split>/<class>/<images>). The trainer uses four functions:
 
-- build_train_dataset: one epoch of this process's batches of augmented views;
+- build_train_dataset: one epoch of this process's batches of augmented views, with a per-row
+  "replaced" flag (True where an unreadable example was replaced, data.skip_corrupt=True); the
+  order is a seeded global permutation per epoch (epoch_order, process_order; see order.py);
 - build_eval_dataset: the whole split, un-augmented, padded with a mask to static shapes;
 - num_examples, steps_per_epoch: sizes, the same on every process.
 """
@@ -12,11 +14,11 @@ from __future__ import annotations
 
 import ml_collections
 
+from jssl.data.order import epoch_order, process_order, shard_bounds, stream_block_ranges
 from jssl.data.pipeline import (
     build_eval_dataset,
     build_train_dataset,
     num_examples,
-    shard_bounds,
     steps_per_epoch,
 )
 
@@ -24,9 +26,12 @@ __all__ = [
     "build_eval_dataset",
     "build_train_dataset",
     "default_config",
+    "epoch_order",
     "num_examples",
+    "process_order",
     "shard_bounds",
     "steps_per_epoch",
+    "stream_block_ranges",
 ]
 
 
@@ -43,7 +48,7 @@ def default_config() -> ml_collections.ConfigDict:
             image_size=224,  # output crop side S
             train_subset=-1,  # >0: only the first N train examples (VISSL's DATA_LIMIT)
             shuffle_buffer=16384,
-            skip_corrupt=False,  # True: drop unreadable images and log them instead of failing
+            skip_corrupt=False,  # True: replace unreadable images (flagged "replaced") and log them
             cache=False,  # keep decoded examples in memory across epochs (small datasets)
             augment=dict(
                 num_views=2,

@@ -1,12 +1,17 @@
 """Host-local tf.data pipelines for SSL training and for evaluation / feature extraction.
 
-Determinism is the design constraint: training batches are a function of (seed, epoch, process
-shard, start_step) and the views of an example of (seed, epoch, index) alone. So resuming mid-epoch
-replays exactly the remaining batches, and changing the number of processes changes which process
-sees an example but not what its views look like. Randomness therefore never comes from stateful
-TF ops: the shuffle has a fixed seed per epoch, augmentations use stateless ops seeded per example
-(the per-example-rng idea of clu.deterministic_data, keyed on the dataset index instead of the
-position in the stream), and tf.data runs with deterministic=True.
+Determinism is the design constraint: the views of an example are a function of (seed, epoch,
+index) alone, and a training epoch's batches of (seed, epoch, process index and count, start_step),
+so resuming mid-epoch replays exactly the remaining batches. Randomness therefore never comes from
+stateful TF ops: orders are numpy permutations seeded per (seed, epoch), augmentations use
+stateless ops seeded per example (the per-example-rng idea of clu.deterministic_data, keyed on the
+dataset index instead of the position in the stream), and tf.data runs with deterministic=True.
+
+Which example goes in which row of which batch, what holds for each source (exact global order
+for image folders and cached TFDS, seeded blocks for uncached TFDS) and what replaces an
+unreadable example is jssl.data.order's topic, documented there; this module reads, decodes and
+augments the examples in that order. With data.skip_corrupt=False an unreadable image fails,
+naming the file (folders) or the indices (cached TFDS); uncached TFDS raises the decoder's error.
 """
 
 from __future__ import annotations
@@ -17,33 +22,10 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from jssl.data import sources, transforms
+from jssl.data import order, sources, transforms
 
 AUTOTUNE = tf.data.AUTOTUNE
-_CACHED_RAW: dict[tuple, tf.data.Dataset] = {}  # in-memory caches must outlive one epoch's pipeline
-
-
-def shard_bounds(num: int, process_count: int, process_index: int) -> tuple[int, int]:
-    """[start, end) of this process's contiguous shard; sizes differ by at most one.
-
-    Same arithmetic as clu.deterministic_data's BALANCE_ON_PROCESSES remainder option, written out
-    because that helper is deprecated, logs a warning per call and needs TFDS split infos, which
-    image folders do not have.
-    """
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} not in [0, {process_count}).")
-    per, rest = divmod(num, process_count)
-    start = process_index * per + min(process_index, rest)
-    return start, start + per + (1 if process_index < rest else 0)
-
-
-def _local_batch(batch_size: int, process_count: int) -> int:
-    if batch_size % process_count:
-        raise ValueError(
-            f"data.batch_size={batch_size} (global) is not divisible by the {process_count} "
-            "processes: pick a multiple of the process count."
-        )
-    return batch_size // process_count
+_DECODED: dict[tuple, sources.DecodedSplit] = {}  # data.cache: decoded splits, once per process
 
 
 def num_examples(data_config, split: str) -> int:
@@ -54,7 +36,7 @@ def num_examples(data_config, split: str) -> int:
 
 def steps_per_epoch(data_config, process_count: int = 1) -> int:
     """Batches per training epoch, the same on every process (the global batch count)."""
-    _local_batch(data_config.batch_size, process_count)
+    order.local_batch(data_config.batch_size, process_count)
     return num_examples(data_config, data_config.train_split) // data_config.batch_size
 
 
@@ -66,21 +48,20 @@ def _options(ds: tf.data.Dataset) -> tf.data.Dataset:
 
 def _checked_folder_images(
     source: sources.SplitSource,
-    order: np.ndarray,
+    stream: np.ndarray,
     positions: tf.data.Dataset,
     first_position: int,
     skip_corrupt: bool,
 ) -> tf.data.Dataset:
-    """Decode folder images at `positions` of `order` (wrapping), naming any unreadable file.
+    """Decode folder images at `positions` of `stream` (wrapping), naming any unreadable file.
 
-    Decoding errors are dropped with ignore_errors, then a sequential scan notices the hole in the
-    positions: it fails naming the file (skip_corrupt=False) or logs it with the running count
-    (True). The happy path pays only a cheap scan; no file is opened twice.
+    Decoding errors are dropped with ignore_errors, then order.with_gaps notices the hole in the
+    positions. No file is opened twice.
     """
-    paths = tf.constant(np.asarray(source.paths, dtype=object)[order])
-    labels = tf.constant(source.labels[order])
-    indices = tf.constant(order.astype(np.int64))
-    size = len(order)
+    paths = tf.constant(np.asarray(source.paths, dtype=object)[stream])
+    labels = tf.constant(source.labels[stream])
+    indices = tf.constant(stream.astype(np.int64))
+    size = len(stream)
 
     def lookup(position):
         i = position % size
@@ -90,43 +71,9 @@ def _checked_folder_images(
         return {**record, "image": sources.decode_image(record["path"], is_path=True)}
 
     ds = positions.map(lookup).map(decode, num_parallel_calls=AUTOTUNE, deterministic=True)
-    ds = ds.ignore_errors()
-
-    def check(state, record):
-        expected, skipped = state
-        gap = record["position"] - expected
-        first_missing = paths[expected % size]
-        if skip_corrupt:
-            skipped = skipped + gap
-            report = tf.cond(
-                gap > 0,
-                lambda: tf.print(
-                    "WARNING jssl.data: skipped unreadable image",
-                    first_missing,
-                    "(and",
-                    gap - 1,
-                    "more here);",
-                    skipped,
-                    "skipped so far in this pipeline (data.skip_corrupt=True).",
-                ),
-                tf.no_op,
-            )
-        else:
-            report = tf.debugging.Assert(
-                tf.equal(gap, 0),
-                [
-                    "Unreadable or corrupt image file:",
-                    first_missing,
-                    "Fix or remove it, or set data.skip_corrupt=True to skip such files.",
-                ],
-                summarize=1,
-            )
-        with tf.control_dependencies([report]):
-            record = {k: tf.identity(v) for k, v in record.items()}
-        return (record["position"] + 1, skipped), record
-
-    initial = (tf.constant(first_position, tf.int64), tf.constant(0, tf.int64))
-    return ds.scan(initial, check)
+    return order.with_gaps(
+        ds.ignore_errors(), first_position, skip_corrupt, lambda p: paths[p % size]
+    )
 
 
 def _views_fn(data_config, seed: int, epoch: int):
@@ -142,7 +89,12 @@ def _views_fn(data_config, seed: int, epoch: int):
             transforms.ssl_view(image, view_seeds[v], size, augment)
             for v in range(augment.num_views)
         )
-        return {"views": views, "label": example["label"], "index": example["index"]}
+        return {
+            "views": views,
+            "label": example["label"],
+            "index": example["index"],
+            "replaced": example["replaced"],
+        }
 
     return make_views
 
@@ -151,27 +103,58 @@ def _decode_record(record):
     return {**record, "image": sources.decode_image(record["image"], is_path=False)}
 
 
-def _decode_uint8(record):
-    image = tf.io.decode_image(record["image"], channels=3, expand_animations=False)
-    return {**record, "image": tf.ensure_shape(image, [None, None, 3])}
-
-
-def _cached_raw(data_config, source: sources.SplitSource, start: int, end: int) -> tf.data.Dataset:
-    """Decoded uint8 records, cached in memory once per process and reused by every epoch."""
+def _decoded_split(data_config, source: sources.SplitSource) -> sources.DecodedSplit:
+    """The whole split decoded in memory, once per process and reused by every epoch."""
     key = (
         data_config.source,
         data_config.name,
         str(data_config.data_dir),
         source.split,
-        start,
-        end,
+        source.offset,
+        source.num_examples,
     )
-    if key not in _CACHED_RAW:
-        raw = source.read(start, end).map(_decode_uint8, num_parallel_calls=AUTOTUNE)
-        if data_config.skip_corrupt:
-            raw = raw.ignore_errors(log_warning=True)
-        _CACHED_RAW[key] = raw.cache()
-    return _CACHED_RAW[key]
+    if key not in _DECODED:
+        store = sources.decode_split(source, f"split {source.split!r}")
+        missing = np.flatnonzero(~store.readable)
+        if len(missing) and not data_config.skip_corrupt:
+            raise ValueError(
+                f"{len(missing)} unreadable or corrupt example(s) in split {source.split!r} "
+                f"(dataset indices {missing[:10].tolist()}{'...' if len(missing) > 10 else ''}): "
+                "rebuild the dataset, or set data.skip_corrupt=True to replace them."
+            )
+        if len(missing):
+            logging.warning(
+                "%d unreadable example(s) in split %r (indices %s): each is replaced by the next "
+                "readable example of the epoch (data.skip_corrupt=True).",
+                len(missing),
+                source.split,
+                missing[:10].tolist(),
+            )
+        _DECODED[key] = store
+    return _DECODED[key]
+
+
+def _cached_rows(data_config, source, stream: np.ndarray, first: int, end: int):
+    """Rows gathered from the in-memory split: exact order, unreadable ones replaced up front."""
+    store = _decoded_split(data_config, source)
+    stream, replaced = order.replace_unreadable_indices(stream, store.readable[stream])
+    positions = {"index": stream[first:end].astype(np.int64), "replaced": replaced[first:end]}
+    return tf.data.Dataset.from_tensor_slices(positions).map(
+        lambda p: {**store.lookup(p["index"]), "replaced": p["replaced"]},
+        num_parallel_calls=AUTOTUNE,
+        deterministic=True,
+    )
+
+
+def _streamed_records(data_config, parts, stream_size: int, seed: int, epoch: int):
+    """This process's undecoded stream (TFDS without cache), "position" numbered from 0."""
+    # Round-robin over the blocks so every stretch of the stream mixes all of them.
+    ds = tf.data.Dataset.choose_from_datasets(
+        parts, tf.data.Dataset.range(len(parts)).repeat(), stop_on_empty_dataset=False
+    )
+    buffer = max(1, min(data_config.shuffle_buffer, stream_size))
+    ds = ds.shuffle(buffer, seed=order.epoch_seed(seed, epoch), reshuffle_each_iteration=False)
+    return ds.enumerate().map(lambda position, record: {**record, "position": position})
 
 
 def build_train_dataset(
@@ -183,12 +166,14 @@ def build_train_dataset(
     process_index: int = 0,
     process_count: int = 1,
 ) -> tf.data.Dataset:
-    """This process's batches of one training epoch: {"views", "label", "index"}.
+    """This process's batches of one training epoch: {"views", "label", "index", "replaced"}.
 
-    See jssl/data/__init__.py for the contract. Batches are exactly steps_per_epoch long in count
-    on every process; start_step > 0 drops that many batches before anything is decoded.
+    Exactly steps_per_epoch - start_step batches on every process, whatever is unreadable;
+    start_step > 0 drops that many batches before anything is decoded. "replaced" (bool per row)
+    is True where the row stands in for an unreadable example (data.skip_corrupt=True). See the
+    jssl.data.order docstring for which order each source gives.
     """
-    local_batch = _local_batch(data_config.batch_size, process_count)
+    local_batch = order.local_batch(data_config.batch_size, process_count)
     source = sources.resolve_split(data_config, data_config.train_split, data_config.train_subset)
     steps = source.num_examples // data_config.batch_size
     if steps == 0:
@@ -196,41 +181,69 @@ def build_train_dataset(
             f"The train split has {source.num_examples} examples, fewer than one global batch of "
             f"{data_config.batch_size}: lower data.batch_size or data.train_subset."
         )
-    start, end = shard_bounds(source.num_examples, process_count, process_index)
-    shard_size = end - start  # >= steps * local_batch, since shard sizes differ by at most one
-    skipped_examples = min(start_step, steps) * local_batch
-    # One shuffle seed per (seed, epoch); SeedSequence mixes the two into a well-spread integer.
-    shuffle_seed = int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+    start_step = min(start_step, steps)
+    # Positions in this process's stream of the epoch: row r of its batch t is position
+    # t * local_batch + r.
+    first, end = start_step * local_batch, steps * local_batch
+    skip_corrupt = data_config.skip_corrupt
 
+    if source.kind == "folder" or data_config.cache:
+        stream = order.process_order(
+            order.epoch_order(source.num_examples, data_config.batch_size, seed=seed, epoch=epoch),
+            process_index,
+            process_count,
+        )
     if source.kind == "folder":
         if data_config.cache:
             logging.info("data.cache is not used for image folders; the OS page cache serves.")
-        # File lists are cheap to permute fully, which beats any shuffle buffer.
-        order = np.arange(start, end)[np.random.default_rng(shuffle_seed).permutation(shard_size)]
-        # skip_corrupt may drop files: read on into a second pass so the epoch stays full-length.
-        # Without it, one position past the end lets the scan see a hole at the very end.
-        stop = 2 * shard_size if data_config.skip_corrupt else shard_size + 1
-        positions = tf.data.Dataset.range(skipped_examples, max(stop, skipped_examples + 1))
-        ds = _checked_folder_images(
-            source, order, positions, skipped_examples, data_config.skip_corrupt
-        )
-    else:
-        if data_config.cache:
-            ds = _cached_raw(data_config, source, start, end)
+        if skip_corrupt:
+            checked = _checked_folder_images(
+                source, stream, tf.data.Dataset.range(first, end), first, True
+            )
+            restart = _checked_folder_images(source, stream, tf.data.Dataset.range(0, end), 0, True)
+            ds = order.replace_unreadable(checked, restart, end - first)
         else:
-            ds = source.read(start, end)
-        buffer = max(1, min(data_config.shuffle_buffer, shard_size))
-        ds = ds.shuffle(buffer, seed=shuffle_seed, reshuffle_each_iteration=False)
-        ds = ds.skip(skipped_examples)  # before decoding: resuming costs no image work
-        if not data_config.cache:
-            ds = ds.map(_decode_record, num_parallel_calls=AUTOTUNE, deterministic=True)
-            if data_config.skip_corrupt:
-                ds = ds.ignore_errors(log_warning=True)
+            # One position past the end (wrapping) lets the scan see a hole at the very end.
+            positions = tf.data.Dataset.range(first, end + 1)
+            ds = _checked_folder_images(source, stream, positions, first, False)
+            ds = ds.filter(lambda r: r["position"] < end).map(lambda r: order.train_row(r, False))
+    elif data_config.cache:
+        ds = _cached_rows(data_config, source, stream, first, end)
+    else:
+        ranges = order.stream_block_ranges(
+            source.num_examples,
+            end,
+            seed=seed,
+            epoch=epoch,
+            process_index=process_index,
+            process_count=process_count,
+        )
+
+        # Built once: each as_dataset call costs tens of ms, and the datasets are reusable.
+        parts = [source.read(start, stop) for start, stop in ranges]
+
+        def records(skip: int) -> tf.data.Dataset:
+            ds = _streamed_records(data_config, parts, end, seed, epoch)
+            ds = ds.skip(skip).take(end - skip)  # skip before decoding: resuming is cheap
+            return ds.map(_decode_record, num_parallel_calls=AUTOTUNE, deterministic=True)
+
+        if skip_corrupt:
+
+            def describe(position):
+                return tf.strings.format(
+                    "at position {} of this process's stream of split {}", (position, source.split)
+                )
+
+            checked = order.with_gaps(records(first).ignore_errors(), first, True, describe)
+            restart = order.with_gaps(records(0).ignore_errors(), 0, True, describe)
+            ds = order.replace_unreadable(checked, restart, end - first)
+        else:  # a decoding error propagates as it is
+            ds = records(first).map(lambda r: order.train_row(r, False))
 
     ds = ds.map(
         _views_fn(data_config, seed, epoch), num_parallel_calls=AUTOTUNE, deterministic=True
     )
-    ds = ds.batch(local_batch, drop_remainder=True).take(steps - min(start_step, steps))
+    ds = ds.batch(local_batch, drop_remainder=True).take(steps - start_step)
     return _options(ds.prefetch(AUTOTUNE))
 
 
@@ -247,9 +260,9 @@ def build_eval_dataset(
     Padding rows (mask=False, index=-1) fill the last batch and, where a shard is shorter, whole
     batches, so every process runs the same number of steps with static shapes.
     """
-    local_batch = _local_batch(batch_size, process_count)
+    local_batch = order.local_batch(batch_size, process_count)
     source = sources.resolve_split(data_config, split)
-    start, end = shard_bounds(source.num_examples, process_count, process_index)
+    start, end = order.shard_bounds(source.num_examples, process_count, process_index)
     num_batches = math.ceil(math.ceil(source.num_examples / process_count) / local_batch)
     size = data_config.image_size
     augment = data_config.augment
@@ -257,11 +270,11 @@ def build_eval_dataset(
     if end == start:  # more processes than examples: this one only pads
         ds = None
     elif source.kind == "folder":
-        order = np.arange(start, end)
+        shard = np.arange(start, end)
         # One position past the end (wrapping to the first file) lets the scan see a final hole;
         # that extra record is then dropped.
         positions = tf.data.Dataset.range(0, end - start + 1)
-        ds = _checked_folder_images(source, order, positions, 0, data_config.skip_corrupt)
+        ds = _checked_folder_images(source, shard, positions, 0, data_config.skip_corrupt)
         ds = ds.filter(lambda r: r["position"] < end - start)
     else:
         ds = source.read(start, end).map(_decode_record, num_parallel_calls=AUTOTUNE)

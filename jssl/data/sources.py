@@ -92,18 +92,33 @@ def _not_prepared_error(data_config, builder) -> FileNotFoundError:
     )
 
 
+def _unknown_split_error(data_config, split: str, available) -> ValueError:
+    field = {data_config.train_split: "data.train_split", data_config.test_split: "data.test_split"}
+    where = field.get(split, "the config field that names it (knn.train_split, extract.splits...)")
+    return ValueError(
+        f"Unknown split {split!r} of data.source={data_config.source!r}; available: "
+        f"{sorted(available)}. Set {where} to one of them."
+    )
+
+
 def _resolve_tfds(data_config, split: str) -> SplitSource:
     builder = _tfds_builder(data_config)
     split_infos = builder.info.splits
     if split_infos:
+        if "+" in split:
+            raise ValueError(
+                f"Split {split!r}: use a single (optionally sliced) split such as 'train' or "
+                "'train[:10%]', not a sum of splits."
+            )
+        name = split.split("[", 1)[0].strip()
+        if name not in split_infos:
+            raise _unknown_split_error(data_config, split, split_infos.keys())
         try:
             (absolute,) = tfds.core.ReadInstruction.from_spec(split).to_absolute(split_infos)
-        except ValueError as e:  # a "+" of splits gives several instructions
-            raise ValueError(f"Split {split!r}: use a single (optionally sliced) split.") from e
-        except KeyError as e:
+        except (ValueError, AssertionError) as e:
             raise ValueError(
-                f"Split {split!r} not found in {builder.name}; "
-                f"available: {sorted(split_infos.keys())}."
+                f"Split {split!r} of {builder.name} is not a valid TFDS slice ({e}); write it as "
+                "'train', 'train[:1000]' or 'train[10%:20%]'."
             ) from e
         start = absolute.from_ or 0
         end = (
@@ -127,6 +142,27 @@ def _resolve_tfds(data_config, split: str) -> SplitSource:
     return SplitSource(
         kind="tfds", split=split, num_examples=count, builder=builder, sliceable=False
     )
+
+
+def _check_folder_split(data_config, root: str, split: str) -> str:
+    """root/split, refusing names that would read outside root and naming the available splits."""
+    parts = split.replace("\\", "/").split("/")
+    if not split or os.path.isabs(split) or ".." in parts:
+        raise ValueError(
+            f"Split {split!r} is not a sub-folder name: data.source='folder' reads only "
+            f"data.data_dir/<split>/, so absolute paths and '..' are refused. Point data.data_dir "
+            "at the root folder and set the split to the name of a folder inside it."
+        )
+    split_dir = os.path.join(root, split)
+    if os.path.isdir(root) and not os.path.isdir(split_dir):
+        available = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
+        error = _unknown_split_error(data_config, split, available)
+        if "[" in split:
+            error = ValueError(
+                f"{error} Image folders do not support TFDS slicing; use data.train_subset."
+            )
+        raise error
+    return split_dir
 
 
 @functools.lru_cache(maxsize=16)
@@ -167,7 +203,9 @@ def resolve_split(data_config, split: str, limit: int = -1) -> SplitSource:
     elif data_config.source == "folder":
         if not data_config.data_dir:
             raise ValueError('data.source="folder" needs data.data_dir (the root folder).')
-        paths, labels, _ = list_image_folder(os.fspath(data_config.data_dir), split)
+        root = os.fspath(data_config.data_dir)
+        _check_folder_split(data_config, root, split)
+        paths, labels, _ = list_image_folder(root, split)
         source = SplitSource(
             kind="folder", split=split, num_examples=len(paths), paths=paths, labels=labels
         )
@@ -180,9 +218,71 @@ def resolve_split(data_config, split: str, limit: int = -1) -> SplitSource:
     return source
 
 
-def decode_image(image: tf.Tensor, is_path: bool) -> tf.Tensor:
-    """Encoded bytes (or a file path) -> float32 RGB in [0, 1]; grey and RGBA become RGB."""
+@dataclasses.dataclass(frozen=True)
+class DecodedSplit:
+    """Every example of a split decoded to uint8 and held in memory, for random access by index.
+
+    Images may differ in size, so their pixels are stored back to back in one flat tensor with
+    per-example offsets and shapes; a lookup is one slice. Unreadable examples keep an empty
+    placeholder and readable[i] = False.
+    """
+
+    pixels: tf.Tensor  # uint8 [total pixels * 3]
+    offsets: tf.Tensor  # int64 [N]
+    shapes: tf.Tensor  # int64 [N, 3]
+    labels: tf.Tensor  # int32 [N]
+    readable: np.ndarray  # bool [N]
+
+    def lookup(self, index: tf.Tensor) -> dict[str, tf.Tensor]:
+        """{"image" uint8 HxWx3, "label", "index"} of example `index` (a scalar int64 tensor)."""
+        shape = self.shapes[index]
+        flat = tf.slice(self.pixels, [self.offsets[index]], [tf.reduce_prod(shape)])
+        image = tf.ensure_shape(tf.reshape(flat, shape), [None, None, 3])
+        return {"image": image, "label": self.labels[index], "index": index}
+
+
+def decode_split(source: SplitSource, describe: str) -> DecodedSplit:
+    """Reads and decodes all of `source` once (`describe` names it in the log)."""
+    size = source.num_examples
+    ds = source.read(0, size).map(
+        lambda r: {**r, "image": decode_image_uint8(r["image"], is_path=source.kind == "folder")},
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+    images = [np.zeros((0, 0, 3), np.uint8)] * size
+    labels = np.zeros(size, np.int32)
+    readable = np.zeros(size, bool)
+    # Errors are dropped here and found as the indices that never arrive, so that the caller
+    # decides what an unreadable example means (data.skip_corrupt).
+    for record in ds.ignore_errors().as_numpy_iterator():
+        i = int(record["index"])
+        images[i], labels[i], readable[i] = record["image"], record["label"], True
+    shapes = np.array([image.shape for image in images], np.int64).reshape(size, 3)
+    counts = shapes.prod(axis=1)
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    pixels = np.concatenate([image.reshape(-1) for image in images])
+    logging.info(
+        "Cached %s in memory: %d examples, %.1f MB of decoded pixels.",
+        describe,
+        size,
+        pixels.nbytes / 2**20,
+    )
+    return DecodedSplit(
+        pixels=tf.constant(pixels),
+        offsets=tf.constant(offsets),
+        shapes=tf.constant(shapes),
+        labels=tf.constant(labels),
+        readable=readable,
+    )
+
+
+def decode_image_uint8(image: tf.Tensor, is_path: bool) -> tf.Tensor:
+    """Encoded bytes (or a file path) -> uint8 RGB HxWx3; grey and RGBA become RGB."""
     data = tf.io.read_file(image) if is_path else image
     decoded = tf.io.decode_image(data, channels=3, expand_animations=False)
-    decoded = tf.ensure_shape(decoded, [None, None, 3])
-    return tf.image.convert_image_dtype(decoded, tf.float32)
+    return tf.ensure_shape(decoded, [None, None, 3])
+
+
+def decode_image(image: tf.Tensor, is_path: bool) -> tf.Tensor:
+    """Encoded bytes (or a file path) -> float32 RGB in [0, 1]; grey and RGBA become RGB."""
+    return tf.image.convert_image_dtype(decode_image_uint8(image, is_path), tf.float32)
