@@ -4,18 +4,37 @@ Layout: ``workdir/checkpoints/<step>/{state,data}``. orbax writes each step to a
 directory and renames it when complete, so a process killed mid-save leaves the previous
 checkpoints as they were and the partial one is never picked up. The resume order is
 written down once, in ``restore_or_none``: the newest readable checkpoint in the workdir,
-older ones if the newest is unreadable, else nothing (the caller then starts from ``init``
-weights or from scratch).
+older ones only past checkpoints that are really incomplete or corrupt (``is_corrupt``),
+else nothing (the caller then starts from ``init`` weights or from scratch).
+
+A save that cannot be written stops the run at once with a ``CheckpointError`` naming the
+path and the OS error, and never hangs (``save``, ``check_for_errors``, ``finish``):
+
+* The directory is probed with a real write before every save (``check_writable``), so a
+  read-only or full disk is caught before orbax starts any background work.
+* orbax 0.12.8 creates the step directory in a background thread by default; the threads
+  writing the items wait for a "directory created" signal with a 300 s timeout
+  (``orbax/checkpoint/_src/futures/future.py`` ``_SignalingThread``, timeout from
+  ``multihost.coordination_timeout``). When the creation fails, the signal never comes and
+  those non-daemon threads keep the process alive for 5 minutes after the error. We make
+  orbax create the directories in the blocking part of ``save``
+  (``AsyncOptions(create_directories_asynchronously=False)``): a failure then raises from
+  ``save`` itself and no thread is left waiting; only the array writes stay asynchronous.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import json
 import os
+import socket
 import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
@@ -33,27 +52,148 @@ class CheckpointError(RuntimeError):
     pass
 
 
+# tensorstore reports damaged or missing files with these status codes at the start of the
+# message of the ValueError orbax passes on (e.g. "DATA_LOSS: Error decoding b-tree node",
+# "OUT_OF_RANGE: ... Byte range" of a truncated file, "NOT_FOUND: ... does not exist").
+_CORRUPT_STATUSES = ("DATA_LOSS:", "OUT_OF_RANGE:", "NOT_FOUND:")
+# What orbax says when the saved tree does not fit the target: a config change, not damage.
+_MISMATCH_MESSAGES = (
+    "tree structures do not match",
+    "is not compatible with the stored shape",
+)
+
+
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
+def saved_steps(workdir: str) -> list[int]:
+    """The steps of the complete checkpoints in ``workdir``, without opening orbax (cheap, at
+    start-up). orbax's temporary ``<step>.orbax-checkpoint-tmp*`` directories of a killed save
+    and the ``<step>.unreadable-*`` ones renamed aside are not steps."""
+    try:
+        names = os.listdir(checkpoint_dir(workdir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(name) for name in names if name.isdigit())
+
+
+def check_config(checkpoint_config: Any) -> None:
+    """Start-up check of ``config.checkpoint``; raises ValueError naming the field."""
+    keep = checkpoint_config.max_to_keep
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(
+            f"checkpoint.max_to_keep={keep!r} must be an integer >= 0: the number of newest "
+            "checkpoints to keep, or 0 to keep all of them. Set "
+            "--config.checkpoint.max_to_keep=3 (the default) or 0."
+        )
+    every = checkpoint_config.every_steps
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(
+            f"checkpoint.every_steps={every!r} must be an integer >= 0 (0: save only at the "
+            "end of each epoch). Set --config.checkpoint.every_steps=<n>."
+        )
+
+
+def _orbax_max_to_keep(max_to_keep: int) -> int | None:
+    """Our 0 ("keep all") is orbax's None; orbax would read 0 as "keep none" and delete
+    every checkpoint, the ones of earlier runs in the workdir included."""
+    if max_to_keep < 0:
+        raise ValueError(
+            f"checkpoint.max_to_keep={max_to_keep} must be >= 0 (0 keeps every checkpoint)."
+        )
+    return None if max_to_keep == 0 else max_to_keep
+
+
 def make_manager(workdir: str, *, max_to_keep: int, async_save: bool) -> ocp.CheckpointManager:
+    """The orbax manager of ``workdir/checkpoints``; ``max_to_keep=0`` keeps every step."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
+        max_to_keep=_orbax_max_to_keep(max_to_keep),
         create=True,
         enable_async_checkpointing=async_save,
+        # See the module docstring: a failed directory creation must raise in save(), not
+        # leave background threads waiting 300 s for a signal that never comes.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
     )
     return ocp.CheckpointManager(
         checkpoint_dir(workdir), options=options, item_names=("state", "data")
     )
 
 
+def check_writable(directory: str) -> None:
+    """Raises CheckpointError unless a file can really be written to ``directory``.
+
+    A test write (created, filled, fsynced, removed) rather than ``os.access``: root ignores
+    permission bits, and neither a read-only mount nor a full disk shows in them. Every
+    process probes (each writes its own shards) and all of them raise together.
+    """
+    error = ""
+    probe = os.path.join(directory, f".write_test.{socket.gethostname()}.{os.getpid()}")
+    try:
+        if not os.path.lexists(directory):  # (a file in its place then fails with ENOTDIR)
+            os.makedirs(directory, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)  # a full disk may only report ENOSPC when the data is flushed
+        finally:
+            os.close(fd)
+    except OSError as e:
+        error = _os_error(e)
+    with contextlib.suppress(OSError):  # nothing to remove when it could not be created
+        os.remove(probe)
+    failed = _processes_failing(bool(error))
+    if error:
+        raise CheckpointError(
+            f"Cannot write checkpoints to {directory}: {error}. Nothing was saved; the "
+            "checkpoints already there are untouched. Free disk space or make the directory "
+            "writable, then rerun the same command to resume from the last checkpoint (or "
+            "pass another --workdir)."
+        )
+    if failed:
+        raise CheckpointError(
+            f"Process(es) {failed} cannot write checkpoints to {directory} (see their logs); "
+            "stopping every process. Fix the storage and rerun to resume."
+        )
+
+
+def _processes_failing(failed: bool) -> list[int]:
+    """The indices of the processes for which ``failed`` is True (every process calls this)."""
+    if jax.process_count() == 1:
+        return [0] if failed else []
+    flags = multihost_utils.process_allgather(np.asarray(failed, np.int32))
+    return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
+
+
+def _os_error(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno, "") if e.errno is not None else ""
+    where = f" ({e.filename})" if e.filename else ""
+    return f"[Errno {e.errno} {name}] {e.strerror or e}{where}"
+
+
+def _describe(e: BaseException) -> str:
+    """A one-line cause, with errno and strerror from the first OSError in the chain."""
+    seen = set()
+    cause = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return f"{type(cause).__name__}: {_os_error(cause)}"
+        cause = cause.__cause__ or cause.__context__
+    text = str(e).splitlines()[0][:400] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
 def resume(workdir: str, checkpoint_config: Any, state: Any):
     """The manager of ``workdir`` and the state to continue from: the newest readable
     checkpoint, or ``state`` itself (with a fresh data position) when there is none.
 
-    Returns (manager, state, position, resumed).
+    Checks ``checkpoint_config`` and that the checkpoint directory is writable first, so a
+    run that could never save stops before it trains. Returns
+    (manager, state, position, resumed).
     """
+    check_config(checkpoint_config)
+    check_writable(checkpoint_dir(workdir))
     manager = make_manager(
         workdir,
         max_to_keep=checkpoint_config.max_to_keep,
@@ -68,17 +208,30 @@ def resume(workdir: str, checkpoint_config: Any, state: Any):
 def save(
     manager: ocp.CheckpointManager, state: Any, position: DataPosition, *, force: bool = False
 ) -> bool:
+    """Saves ``state`` and ``position`` at the state's step (never overwrites a step).
+
+    Raises CheckpointError at once when the directory cannot be written or when an earlier
+    asynchronous save failed; the write of the arrays itself may still be running when this
+    returns (``checkpoint.async_save``): ``check_for_errors`` and ``finish`` surface its
+    failure.
+    """
     step = int(jax.device_get(state.step))
+    directory = str(manager.directory)
+    finish(manager)  # orbax's save would wait for the previous save anyway
     if step in manager.all_steps():
         return False
-    saved = manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(dataclasses.asdict(position)),
-        ),
-        force=force,
-    )
+    check_writable(directory)
+    try:
+        saved = manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(dataclasses.asdict(position)),
+            ),
+            force=force,
+        )
+    except Exception as e:  # noqa: BLE001 - any failure to save ends the run, with its cause
+        raise _save_error(os.path.join(directory, str(step)), e) from e
     if saved:
         logging.info(
             "Saving checkpoint of step %d (epoch %d, batch %d of the epoch).",
@@ -89,20 +242,90 @@ def save(
     return saved
 
 
+def check_for_errors(manager: ocp.CheckpointManager) -> None:
+    """Raises CheckpointError if a finished background save failed; never blocks on a save
+    that is still running. Cheap: call it between steps (e.g. at every log step)."""
+    if manager.is_saving_in_progress():
+        return
+    finish(manager)
+
+
+def finish(manager: ocp.CheckpointManager) -> None:
+    """Waits for a background save and raises CheckpointError if it failed."""
+    try:
+        manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - the error of the background save, re-raised
+        raise _save_error(str(manager.directory), e) from e
+
+
+def _save_error(path: str, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"Saving the checkpoint at {path} failed: {_describe(e)}. Training stopped; the "
+        "checkpoints already in the directory are untouched. Free disk space or make the "
+        "directory writable, then rerun the same command to resume from the last complete "
+        "checkpoint."
+    )
+
+
+def is_corrupt(exc: BaseException) -> bool:
+    """Whether a checkpoint read failed because its files are incomplete or damaged, which
+    justifies falling back to an older checkpoint.
+
+    True for unparsable JSON metadata, missing files (ENOENT) and tensorstore's data-loss
+    statuses (``DATA_LOSS``, ``OUT_OF_RANGE`` for truncated files, ``NOT_FOUND``). False for
+    every other error, in particular other OSErrors (EIO, EACCES, ESTALE ...: the storage
+    failed, not the files, and a retry may well succeed) and a tree or shape mismatch
+    (``is_mismatch``: the config changed). Follows ``__cause__``/``__context__``.
+    """
+    for cause in _chain(exc):
+        if isinstance(cause, json.JSONDecodeError | UnicodeDecodeError | EOFError):
+            return True
+        if isinstance(cause, FileNotFoundError):
+            return True
+        if isinstance(cause, OSError):
+            return False
+        if isinstance(cause, ValueError):
+            if is_mismatch(cause):
+                return False
+            if str(cause).startswith(_CORRUPT_STATUSES):
+                return True
+    return False
+
+
+def is_mismatch(exc: BaseException) -> bool:
+    """Whether a restore failed because the saved tree or shapes differ from the target's:
+    the model (or another part of the state) was configured differently when it was saved."""
+    return any(
+        isinstance(cause, ValueError) and any(m in str(cause) for m in _MISMATCH_MESSAGES)
+        for cause in _chain(exc)
+    )
+
+
+def _chain(exc: BaseException | None):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def restore_or_none(manager: ocp.CheckpointManager, target: Any) -> tuple[Any, DataPosition] | None:
     """Restores the newest readable checkpoint onto ``target``'s structure and shardings.
 
-    A checkpoint that fails to read (truncated files, a wrong model config) is reported and
-    the next older one is tried (newer unreadable ones are then renamed aside, see
-    ``_move_aside``); if checkpoints exist but none is readable, this raises
-    rather than silently training from scratch over them.
+    Only a checkpoint that is really incomplete or corrupt (``is_corrupt``) is skipped for
+    the next older one; the skipped ones are then renamed aside (``_move_aside``) and both
+    are logged as errors. Any other failure raises a CheckpointError without touching a
+    file: a read error of the storage (retry), a tree or shape mismatch (the config
+    changed). If checkpoints exist but all are corrupt, this raises rather than silently
+    training from scratch over them.
     """
     steps = sorted(manager.all_steps(), reverse=True)
     if not steps:
         return None
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    errors = []
+    corrupt = []
     for step in steps:
+        path = os.path.join(manager.directory, str(step))
         try:
             restored = manager.restore(
                 step,
@@ -110,41 +333,61 @@ def restore_or_none(manager: ocp.CheckpointManager, target: Any) -> tuple[Any, D
                     state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
                 ),
             )
-        except Exception as e:  # noqa: BLE001 - any read failure means "try an older one"
-            path = os.path.join(manager.directory, str(step))
-            logging.error("Could not restore the checkpoint at %s: %s", path, e)
-            errors.append(f"  {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        except Exception as e:  # noqa: BLE001 - classified below; only corruption falls back
+            reason = _describe(e)
+            if is_mismatch(e):
+                raise CheckpointError(
+                    f"The checkpoint at {path} does not fit the state this config builds "
+                    f"({reason}): the config differs from the one that wrote it (model, "
+                    "method, probe ...). Nothing was moved or deleted. Resume with the "
+                    "workdir's original config (its config.json) or use a new --workdir."
+                ) from e
+            if not is_corrupt(e):
+                raise CheckpointError(
+                    f"Reading the checkpoint at {path} failed ({reason}). This is not a sign "
+                    "of damaged files, so the checkpoint was not touched and no older one was "
+                    "used. Check the storage and retry (rerun the same command)."
+                ) from e
+            logging.error(
+                "Could not restore the checkpoint at %s: it is incomplete or corrupt (%s); "
+                "trying the next older one.",
+                path,
+                reason,
+            )
+            corrupt.append((step, f"  {path}: {reason}"))
             continue
-        if step != steps[0]:
-            _move_aside(manager, [s for s in steps if s > step])
+        if corrupt:
+            _move_aside(manager, [s for s, _ in corrupt])
         return restored["state"], DataPosition(**restored["data"])
     raise CheckpointError(
-        "None of the checkpoints in "
-        f"{manager.directory} could be restored:\n" + "\n".join(errors) + "\n"
-        "If the model config changed since they were written, use the original config or a "
-        "new --workdir; if they are corrupt, move them away to start over."
+        f"None of the checkpoints in {manager.directory} could be restored; every one is "
+        "incomplete or corrupt:\n" + "\n".join(line for _, line in corrupt) + "\n"
+        "Nothing was moved. Move them out of the directory to start over, or use a new "
+        "--workdir."
     )
 
 
 def _move_aside(manager: ocp.CheckpointManager, unreadable: list[int]) -> None:
-    """Renames unreadable checkpoints to ``<step>.unreadable-<time>``, which orbax ignores.
+    """Renames corrupt checkpoints to ``<step>.unreadable-<time>``, which orbax ignores.
 
     Left in place, the run resumed from an older step would skip saving those steps again
-    (``save`` never overwrites) and the next restart would meet the same unreadable files.
+    (``save`` never overwrites) and the next restart would meet the same corrupt files.
     """
     suffix = f"unreadable-{int(time.time())}"
+    moves = [
+        (os.path.join(manager.directory, str(s)), os.path.join(manager.directory, f"{s}.{suffix}"))
+        for s in unreadable
+    ]
     if jax.process_index() == 0:
-        for step in unreadable:
-            path = os.path.join(manager.directory, str(step))
-            os.rename(path, f"{path}.{suffix}")
+        for old, new in moves:
+            os.rename(old, new)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jssl_checkpoint_move_aside")
     manager.reload()
-    logging.warning(
-        "Resumed from step %d: the newer, unreadable checkpoints %s were renamed to "
-        "<step>.%s in %s; delete them once inspected.",
+    logging.error(
+        "Resumed from step %d, OLDER than the newest checkpoint: the newer checkpoints were "
+        "incomplete or corrupt and were renamed aside:\n%s\nTheir steps will be trained "
+        "again. Delete the renamed directories once inspected.",
         manager.latest_step(),
-        unreadable,
-        suffix,
-        manager.directory,
+        "\n".join(f"  {old} -> {new}" for old, new in moves),
     )
