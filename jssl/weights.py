@@ -1,36 +1,60 @@
-"""Loading trained weights for evaluation and initialisation: the one place that does it.
+"""Loading trained weights for evaluation and initialisation: the one place that reads them.
 
-``load_variables(path, config)`` returns ``{"params", "batch_stats"}`` of the online model
-(trunk + head) that ``jssl.methods.get(config)`` builds, replicated over the mesh, from
+Sources (``init.checkpoint``):
 
-- a jssl workdir (its newest checkpoint), its ``checkpoints`` directory, or one step
+- a jssl workdir (its newest readable checkpoint), its ``checkpoints`` directory, or one step
   directory ``workdir/checkpoints/<step>``: only ``params`` and ``batch_stats`` of the saved
   TrainState are read (orbax partial restore), so the optimizer, the momentum encoder and
   the queue are never loaded and the optimizer config does not have to match;
 - a PyTorch ResNet file (``.torch`` from VISSL's model zoo, ``.pth``/``.pt`` from
   torchvision or MoCo): the trunk comes from the file, the head stays randomly initialised.
 
-This plays the part of VISSL's ``MODEL.WEIGHTS_INIT.PARAMS_FILE`` handling
-(``vissl/utils/checkpoint.py``, ``init_model_from_consolidated_weights``).
+Two users:
+
+- ``load_variables(path, config)``: ``{"params", "batch_stats"}`` of the online model for the
+  evaluation engines; every array must fit the configured model.
+- ``jssl.warm_start.init_train_state(config, state)``: a fresh TrainState started from those
+  weights, for the train engine when its workdir has nothing to resume; it reads through
+  ``read_newest``, ``saved_shapes``, ``read_arrays`` and ``read_torch`` here.
+
+Given a workdir or checkpoints dir, a checkpoint that is really incomplete or corrupt
+(truncated or missing files; ``jssl.checkpoint.is_corrupt``, the classifier the train engine's
+resume uses too) is skipped, loudly, for the next older one; nothing in the source workdir is
+renamed or written. A step dir given explicitly is never replaced by another. Read errors that
+do not show corruption (permissions, I/O errors) propagate.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from flax import traverse_util
 from jax.sharding import Mesh
 
-from jssl import methods, parallel
+from jssl import checkpoint, methods, parallel
 
 TORCH_SUFFIXES = (".torch", ".pth", ".pt")
-_COLLECTIONS = ("params", "batch_stats")
+COLLECTIONS = ("params", "batch_stats")  # the model's variables that weights carry
+# The part of the model that must fit exactly when starting training from weights: a trunk
+# loaded with holes would silently train a half-random network. Heads may differ.
+STRICT = ("trunk",)
+_VALID = (
+    "Pass the workdir of a jssl training run (e.g. runs/demo, which holds "
+    "checkpoints/<step>/state/), its checkpoints/ dir, one step dir checkpoints/<step>, or a "
+    "PyTorch ResNet file ending in .torch/.pth/.pt."
+)
+
+Flat = dict[tuple[str, ...], Any]  # (collection, *path) -> array or shape
 
 
 class WeightsError(ValueError):
@@ -44,7 +68,7 @@ def abstract_variables(config: ml_collections.ConfigDict, model: Any = None) -> 
     variables = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, size, size, 3)), train=False)
     )
-    return {name: dict(variables.get(name, {})) for name in _COLLECTIONS}
+    return {name: dict(variables.get(name, {})) for name in COLLECTIONS}
 
 
 def load_variables(
@@ -55,12 +79,14 @@ def load_variables(
     Args:
       path: a jssl workdir, its ``checkpoints`` dir, a step dir ``checkpoints/<step>``, or a
         PyTorch ResNet file ending in .torch/.pth/.pt (trunk only, the head stays random).
+        A workdir's newest checkpoint, if incomplete or corrupt, is skipped (with an error
+        logged) for the newest readable one; a step dir is read as given or not at all.
       config: the run config; ``config.model`` must describe the architecture the weights
         were trained with, ``config.seed`` seeds the random head of imported trunks.
       mesh: the arrays come back replicated over it (default: all devices).
 
     Raises:
-      WeightsError: nothing to load at ``path``, or the weights do not fit ``config.model``.
+      WeightsError: nothing readable at ``path``, or the weights do not fit ``config.model``.
     """
     if not path:
         raise WeightsError(
@@ -71,108 +97,227 @@ def load_variables(
     model = methods.get(config).model
     if path.endswith(TORCH_SUFFIXES):
         return _load_torch(path, config, model, mesh)
-    state_dir = resolve_checkpoint(path)
     expected = abstract_variables(config, model)
-    _check_architecture(state_dir, expected, config)
     sharding = parallel.replicated(mesh)
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), expected
     )
-    restored = ocp.PyTreeCheckpointer().restore(
-        state_dir,
-        args=ocp.args.PyTreeRestore(
-            item=target,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True,
-        ),
-    )
+
+    def read(state_dir: str) -> dict[str, Any]:
+        _check_architecture(state_dir, saved_shapes(state_dir), expected, config)
+        return _restore(state_dir, target, ocp.checkpoint_utils.construct_restore_args(target))
+
+    state_dir, restored = read_newest(path, read)
     logging.info("Loaded params and batch_stats of the online model from %s", state_dir)
-    return {name: restored[name] for name in _COLLECTIONS}
+    return {name: restored[name] for name in COLLECTIONS}
 
 
 def resolve_checkpoint(path: str) -> str:
-    """The ``state`` directory of the newest complete checkpoint that ``path`` points at."""
+    """The ``state`` directory of the newest checkpoint that ``path`` points at whose save
+    completed (it is not read here, so it may still turn out corrupt; ``load_variables``
+    then falls back to an older one)."""
+    return _candidates(path)[0][0]
+
+
+def _candidates(path: str) -> tuple[list[str], bool]:
+    """``state`` dirs at ``path``, newest first, and whether ``path`` named one explicitly."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(path):
         raise WeightsError(
-            f"Checkpoint path {path} does not exist. Pass the workdir of a jssl training run "
-            "(e.g. --config.init.checkpoint=runs/demo after `python launch.py "
-            "--config=configs/moco.py:demo --workdir=runs/demo`), a step dir inside its "
-            "checkpoints/, or a .torch/.pth file."
+            f"Checkpoint path {path} does not exist. {_VALID} For example "
+            "--config.init.checkpoint=runs/demo after `python launch.py "
+            "--config=configs/moco.py:demo --workdir=runs/demo`."
         )
+    if not os.path.isdir(path):
+        raise WeightsError(f"{path} is a file, not a PyTorch checkpoint. {_VALID}")
+    parent = os.path.basename(os.path.dirname(path))
+    if os.path.basename(path) == "state" and parent.isdigit():  # the state dir itself
+        return [path], True
     if os.path.isdir(os.path.join(path, "state")):  # a step dir
-        return os.path.join(path, "state")
+        return [os.path.join(path, "state")], True
+    if os.path.basename(path).isdigit() and parent == "checkpoints":
+        raise WeightsError(
+            f"The step dir {path} has no state/ subdirectory: its save never completed or "
+            f"it was damaged. Pass the workdir ({os.path.dirname(os.path.dirname(path))}) to "
+            "use its newest complete checkpoint, or another step dir."
+        )
     ckpt_dir = path
     if os.path.isdir(os.path.join(path, "checkpoints")):  # a workdir
         ckpt_dir = os.path.join(path, "checkpoints")
-    steps = sorted(
-        (int(name) for name in os.listdir(ckpt_dir) if name.isdigit()),
-        reverse=True,
-    )
-    for step in steps:
-        step_dir = os.path.join(ckpt_dir, str(step))
-        # orbax renames a step dir into place once it is complete; older layouts mark it.
-        if os.path.isdir(os.path.join(step_dir, "state")):
-            logging.info("Using checkpoint step %d of %s", step, ckpt_dir)
-            return os.path.join(step_dir, "state")
+    entries = sorted(os.listdir(ckpt_dir))
+    found = []
+    for step in sorted((int(e) for e in entries if e.isdigit()), reverse=True):
+        state_dir = os.path.join(ckpt_dir, str(step), "state")
+        if os.path.isdir(state_dir):
+            found.append(state_dir)
+        else:
+            logging.warning("Skipping %s: it has no state/ (an incomplete save).", state_dir)
+    if not found:
+        listing = ", ".join(entries[:8]) + (" ..." if len(entries) > 8 else "") or "nothing"
+        raise WeightsError(
+            f"No checkpoint found in {path} (it holds: {listing}). {_VALID} Has the training "
+            "run saved one yet (checkpoints are written at the end of every epoch)?"
+        )
+    return found, False
+
+
+def read_newest(path: str, read: Callable[[str], Any]) -> tuple[str, Any]:
+    """``(state_dir, read(state_dir))`` for the newest checkpoint at ``path`` that reads.
+
+    Falls back to older checkpoints only past ones that are really incomplete or corrupt,
+    and only when ``path`` is a workdir or checkpoints dir; the skipped ones are left as
+    they are (an evaluation must not modify a training workdir).
+    """
+    candidates, explicit = _candidates(path)
+    failures = []
+    for state_dir in candidates:
+        try:
+            return state_dir, read(state_dir)
+        except WeightsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified below, re-raised unless corrupt
+            if not checkpoint.is_corrupt(e):
+                logging.error("Reading the checkpoint %s failed: %s", state_dir, e)
+                raise
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            if explicit:
+                raise WeightsError(
+                    f"The checkpoint {state_dir} is incomplete or corrupt ({reason}). Pass the "
+                    "workdir or its checkpoints/ dir to use the newest readable checkpoint, "
+                    "or another step dir."
+                ) from e
+            logging.error(
+                "Skipping the checkpoint %s: it is incomplete or corrupt (%s); trying the next "
+                "older one. It is left in place; move it away once inspected.",
+                os.path.dirname(state_dir),
+                reason,
+            )
+            failures.append(f"  {os.path.dirname(state_dir)}: {reason}")
     raise WeightsError(
-        f"No checkpoint found in {path}: expected a jssl workdir with checkpoints/<step>/state, "
-        "a checkpoints dir, or a step dir. Has the training run saved one yet (checkpoints "
-        "are written at the end of every epoch)?"
+        f"Every checkpoint at {path} is incomplete or corrupt:\n" + "\n".join(failures) + "\n"
+        "Pass another workdir or a .torch/.pth file, or retrain."
+    )
+
+
+def saved_shapes(state_dir: str) -> Flat:
+    """``(collection, *path) -> shape`` of ``params`` and ``batch_stats`` in a saved state.
+
+    Reads orbax's metadata through the handler, which raises on damaged files (the
+    Checkpointer's ``metadata`` logs and returns None instead).
+    """
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        tree = handler.metadata(epath.Path(state_dir))
+    finally:
+        handler.close()
+    tree = getattr(tree, "tree", tree)
+    missing = [name for name in COLLECTIONS if name not in tree]
+    if missing:
+        raise WeightsError(
+            f"{state_dir} is not a jssl TrainState checkpoint (no {missing}); it holds "
+            f"{sorted(tree)}. {_VALID}"
+        )
+    return {
+        (name, *key): tuple(leaf.shape)
+        for name in COLLECTIONS
+        for key, leaf in traverse_util.flatten_dict(dict(tree[name])).items()
+    }
+
+
+def read_arrays(state_dir: str, shapes: Flat) -> Flat:
+    """The arrays at the keys of ``shapes`` (``(collection, *path) -> shape``) of a saved state,
+    as host float32 numpy arrays; the rest of the checkpoint is not read."""
+    target = traverse_util.unflatten_dict(
+        {key: jax.ShapeDtypeStruct(shape, np.float32) for key, shape in shapes.items()}
+    )
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    return traverse_util.flatten_dict(_restore(state_dir, target, args))
+
+
+def _restore(state_dir: str, target: Any, restore_args: Any) -> Any:
+    return ocp.PyTreeCheckpointer().restore(
+        state_dir,
+        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
     )
 
 
 def _check_architecture(
-    state_dir: str, expected: dict[str, Any], config: ml_collections.ConfigDict
+    state_dir: str, saved: Flat, expected: dict[str, Any], config: ml_collections.ConfigDict
 ) -> None:
     """Compares saved shapes with the configured model, naming the first differences."""
-    metadata = ocp.PyTreeCheckpointer().metadata(state_dir)
-    tree = getattr(metadata, "item_metadata", metadata)
-    tree = getattr(tree, "tree", tree)
-    missing_collections = [name for name in _COLLECTIONS if name not in tree]
-    if missing_collections:
-        raise WeightsError(
-            f"{state_dir} is not a jssl TrainState checkpoint (no {missing_collections}); "
-            f"it holds {sorted(tree)}."
-        )
-    problems = []
-    for name in _COLLECTIONS:
-        saved = traverse_util.flatten_dict(dict(tree[name]), sep="/")
-        wanted = traverse_util.flatten_dict(expected[name], sep="/")
-        problems += [f"{name}/{k}: missing in the checkpoint" for k in wanted if k not in saved]
-        problems += [f"{name}/{k}: not in the configured model" for k in saved if k not in wanted]
-        problems += [
-            f"{name}/{k}: checkpoint {tuple(saved[k].shape)}, model {tuple(v.shape)}"
-            for k, v in wanted.items()
-            if k in saved and tuple(saved[k].shape) != tuple(v.shape)
-        ]
+    wanted = {
+        (name, *key): tuple(v.shape)
+        for name in COLLECTIONS
+        for key, v in traverse_util.flatten_dict(expected[name]).items()
+    }
+    problems = [line for _, line in differences(saved, wanted, lambda key: True)]
     if problems:
         shown = "\n  ".join(problems[:8])
         more = f"\n  ... ({len(problems)} differences in all)" if len(problems) > 8 else ""
-        m = config.model
+        model = describe_model(config)
         raise WeightsError(
-            f"The checkpoint {state_dir} does not fit the configured model (trunk={m.trunk}, "
-            f"width_multiplier={m.width_multiplier}, cifar_stem={m.cifar_stem}, "
-            f"head_dims={tuple(m.head_dims)}, head_bn={m.head_bn}):\n  {shown}{more}\n"
-            "Use the model config the checkpoint was trained with (e.g. the same configs/*.py "
-            "preset and --config.model.* overrides; the workdir's config.json has them)."
+            f"The checkpoint {state_dir} does not fit the configured model ({model})"
+            f":\n  {shown}{more}\nUse the model config the checkpoint was trained with (e.g. "
+            "the same configs/*.py preset and --config.model.* overrides; the workdir's "
+            "config.json has them)."
         )
 
 
-def _load_torch(path: str, config: ml_collections.ConfigDict, model: Any, mesh: Mesh):
+def differences(saved: Flat, wanted: Flat, strict: Callable[[tuple], bool]) -> list[tuple]:
+    """``(key, line)`` per difference under ``strict`` keys, in the model's natural order."""
+    problems = []
+    for key in sorted(set(saved) | set(wanted), key=natural_key):
+        if not strict(key):
+            continue
+        name = "/".join(key)
+        if key not in saved:
+            problems.append((key, f"{name}: missing in the checkpoint"))
+        elif key not in wanted:
+            problems.append((key, f"{name}: not in the configured model"))
+        elif tuple(saved[key]) != tuple(wanted[key]):
+            line = f"{name}: checkpoint {tuple(saved[key])}, model {wanted[key]}"
+            problems.append((key, line))
+    return problems
+
+
+def natural_key(key: tuple) -> tuple:
+    """Sort key: params before batch_stats, trunk first, layer2 before layer10."""
+    parts = [(int(p), "") if p.isdigit() else (0, p) for p in re.split(r"(\d+)", "/".join(key))]
+    return (COLLECTIONS.index(key[0]), key[1] not in STRICT, parts)
+
+
+def describe_model(config: ml_collections.ConfigDict) -> str:
+    """The architecture fields of ``config.model`` that weights must match, for messages."""
+    m = config.model
+    return (
+        f"trunk={m.trunk}, width_multiplier={m.width_multiplier}, cifar_stem={m.cifar_stem}, "
+        f"head_dims={tuple(m.head_dims)}, head_bn={m.head_bn}"
+    )
+
+
+def read_torch(path: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """``{"params", "batch_stats"}`` host trees imported from a PyTorch ResNet file."""
+    path = os.path.expanduser(path)
     if not os.path.isfile(path):
-        raise WeightsError(f"PyTorch weights file {path} does not exist.")
+        raise WeightsError(f"PyTorch weights file {path} does not exist. {_VALID}")
     from jssl.models import torch_import
 
-    imported = torch_import.import_torch_resnet(path, config.model)
+    try:
+        return torch_import.import_torch_resnet(path, config.model)
+    except ValueError as e:
+        raise WeightsError(f"init.checkpoint {path}: {e}") from e
+
+
+def _load_torch(path: str, config: ml_collections.ConfigDict, model: Any, mesh: Mesh):
+    imported = read_torch(path, config)
     size = config.data.image_size
     init = jax.jit(
         lambda rng: model.init(rng, jnp.zeros((1, size, size, 3)), train=False),
         out_shardings=parallel.replicated(mesh),
     )
     fresh = init(jax.random.PRNGKey(config.seed))
-    variables = {name: dict(fresh.get(name, {})) for name in _COLLECTIONS}
-    for name in _COLLECTIONS:
+    variables = {name: dict(fresh.get(name, {})) for name in COLLECTIONS}
+    for name in COLLECTIONS:
         trunk = imported.get(name, {}).get("trunk")
         if trunk is None:
             continue

@@ -312,3 +312,18 @@ def test_wrong_depth_and_width_are_named():
         ValueError, match=r"(?s)Shape mismatches: conv1\.weight.*width_multiplier=0.125"
     ):
         torch_resnet_to_flax(state, depth=18, width_multiplier=0.25)
+
+
+def test_unreadable_files_are_clear(tmp_path):
+    torch.save(_tiny_state_dict(), tmp_path / "good.pth")
+    good = (tmp_path / "good.pth").read_bytes()
+    contents = {
+        "empty.pth": b"",
+        "truncated.pth": good[: len(good) // 2],
+        "random.torch": np.random.default_rng(0).bytes(300),
+        "text.pt": b"hello world",
+    }
+    for name, content in contents.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match="could not be read as a PyTorch checkpoint"):
+            load_torch_state_dict(str(tmp_path / name))

@@ -133,12 +133,17 @@ def load_torch_state_dict(path: str) -> dict[str, np.ndarray]:
     Accepts the layouts listed in the module docstring; wrapper dicts and prefixes
     (``_feature_blocks.``, ``module.encoder_q.`` ...) are removed, non-tensor entries
     dropped. Loads with ``weights_only=True``: a file that pickles arbitrary objects is
-    refused rather than executed.
+    refused rather than executed. An empty, truncated or non-torch file is a ValueError
+    that says so.
     """
     torch = _import_torch()
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        # Random or cut bytes fail in the unpickler too, with these words; refused objects
+        # say "Unsupported global" (torch/_weights_only_unpickler.py).
+        if any(word in str(err) for word in ("Unsupported operand", "load key", "truncated")):
+            raise ValueError(_unreadable(path, err)) from err
         raise ValueError(
             f"{path} holds pickled objects other than tensors and containers, so it was not "
             "loaded (torch.load(weights_only=True) refuses them; unpickling can run code). "
@@ -146,6 +151,8 @@ def load_torch_state_dict(path: str) -> dict[str, np.ndarray]:
             "only its model state dict.\n"
             f"torch said: {err}"
         ) from err
+    except (RuntimeError, EOFError, KeyError) as err:  # truncated zip, empty or text file
+        raise ValueError(_unreadable(path, err)) from err
     state = _strip_prefix(_unwrap(checkpoint, torch))
     # bfloat16 tensors have no numpy equivalent: widen to float32 before converting.
     return {
@@ -153,6 +160,15 @@ def load_torch_state_dict(path: str) -> dict[str, np.ndarray]:
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }
+
+
+def _unreadable(path: str, err: BaseException) -> str:
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return (
+        f"{path} could not be read as a PyTorch checkpoint ({type(err).__name__}: {first}): "
+        "it is truncated, damaged or not a torch.save file. Download or copy it again, or "
+        "check it with python -c \"import torch; torch.load('FILE', weights_only=True)\"."
+    )
 
 
 def _torch_name(collection: str, path: tuple[str, ...]) -> str:
