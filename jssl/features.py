@@ -7,6 +7,11 @@ run the frozen model over the split, keep the requested taps, and return them wi
 labels and dataset indices. Every process ends up with the full split, rows sorted by
 dataset index, so kNN and linear evaluation can run anywhere and the result does not depend
 on the device or process count.
+
+``collect_features`` therefore costs the whole split's features in every host's RAM: use it
+for splits that fit (tests, small evaluation sets). The kNN memory bank of the train engine
+and of the kNN engine stays on the devices instead (``jssl.knn_sharded.BankBuilder``), and
+extraction to disk streams batch by batch (``iterate_features``).
 """
 
 from __future__ import annotations

@@ -12,9 +12,16 @@ Presets:
 - VISSL (Wu et al.): ``k=200, temperature=0.1``, the defaults here.
 - DINO (Caron et al. 2021): ``k=20, temperature=0.07``.
 
-The bank is streamed in chunks and a running top-k per query is merged across chunks, so an
-ImageNet-sized bank (1.28M x 2048) never materialises an ``(n_test, n_train)`` similarity
-matrix, and never has to sit on the device whole.
+Two implementations of the same classifier:
+
+- ``knn_scores`` / ``knn_accuracy`` (here) take host (numpy, possibly memory-mapped) features,
+  as ``extract_features`` writes them. The bank is streamed in chunks and a running top-k per
+  query is merged across chunks, so an ImageNet-sized bank (1.28M x 2048) never materialises
+  an ``(n_test, n_train)`` similarity matrix, and never has to sit on the device whole.
+- ``jssl.knn_sharded`` keeps a bank that is computed on the fly (the train engine's kNN
+  monitor, the kNN engine without a features directory) where it is produced, on the devices;
+  its ``sharded_top_k`` gives each query's sorted neighbours, which ``vote_accuracy`` (here)
+  turns into accuracies.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from absl import logging
 _NORM_EPS = 1e-12
 
 
-def _l2_normalize(x: jax.Array) -> jax.Array:
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """``x / max(||x||, eps)`` along the last axis, as F.normalize does."""
     norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
     return x / jnp.maximum(norm, _NORM_EPS)
 
@@ -48,7 +56,7 @@ def _merge_bank_chunk(
     k: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Folds one bank chunk into every query's running top-k."""
-    bank = _l2_normalize(bank.astype(jnp.float32))
+    bank = l2_normalize(bank.astype(jnp.float32))
     # Padded bank rows must never be picked: -inf loses to any real similarity.
     valid = jnp.arange(bank.shape[0]) < num_valid
 
@@ -156,7 +164,7 @@ def knn_scores(
     # Queries are small next to the bank (50k x 2048 f32 = 400 MB): put them on device once.
     queries = np.zeros((num_query_chunks * query_chunk, d), np.float32)
     queries[:n_test] = test_features
-    queries = _l2_normalize(jnp.asarray(queries)).reshape(num_query_chunks, query_chunk, d)
+    queries = l2_normalize(jnp.asarray(queries)).reshape(num_query_chunks, query_chunk, d)
     top_sims = jnp.full((num_query_chunks, query_chunk, k), -jnp.inf, jnp.float32)
     top_labels = jnp.zeros((num_query_chunks, query_chunk, k), jnp.int32)
 
@@ -217,3 +225,45 @@ def knn_accuracy(
         **chunk_kwargs,
     )
     return topk_accuracy(scores, test_labels, topk)
+
+
+def vote_accuracy(
+    top_sims: np.ndarray,
+    top_labels: np.ndarray,
+    labels: np.ndarray,
+    *,
+    num_classes: int,
+    k: int,
+    temperature: float,
+    topk: Sequence[int] = (1, 5),
+    chunk: int = 4096,
+) -> dict[str, float]:
+    """Weighted-kNN accuracies (%) from the queries' sorted top neighbours.
+
+    ``top_sims``/``top_labels`` (n, >= k) come from ``jssl.knn_sharded.sharded_top_k``, best
+    first, so the first ``k`` columns are the top-k for any smaller k: one search serves
+    several k.
+    """
+    labels = np.asarray(labels)
+    n = len(labels)
+    if top_sims.shape != top_labels.shape or top_sims.shape[0] != n or top_sims.shape[1] < k:
+        raise ValueError(
+            f"top-k arrays {top_sims.shape}, {top_labels.shape} do not fit {n} queries at k={k}"
+        )
+    if n == 0:
+        return topk_accuracy(np.zeros((0, num_classes)), labels, topk)
+    hits = {t: 0.0 for t in topk}
+    for start in range(0, n, chunk):
+        sims = np.asarray(top_sims[start : start + chunk, :k], np.float32)
+        neighbours = np.asarray(top_labels[start : start + chunk, :k], np.int32)
+        rows = len(sims)
+        pad = ((0, chunk - rows), (0, 0)) if n > chunk else ((0, 0), (0, 0))
+        sims = np.pad(sims, pad, constant_values=-np.inf)  # fixed shapes: _vote compiles once
+        neighbours = np.pad(neighbours, pad)
+        scores = _vote(
+            sims[None], neighbours[None], jnp.float32(temperature), num_classes=num_classes
+        )
+        acc = topk_accuracy(np.asarray(scores)[:rows], labels[start : start + rows], topk)
+        for t in topk:
+            hits[t] += acc[f"top{t}"] * rows
+    return {f"top{t}": hits[t] / n for t in topk}

@@ -13,8 +13,8 @@ from test_launch import enable_compilation_cache, prepare_shared_dirs
 from configs import knn as knn_config
 from configs import linear_eval as linear_eval_config
 from configs import moco
-from jssl import knn, weights
-from jssl.engines import evaluate, train
+from jssl import data, features, knn, parallel, pooling, weights
+from jssl.engines import evaluate, extract, train
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +55,42 @@ def test_knn_from_checkpoint(shared_dirs, trained_workdir, tmp_path):
         assert results[f"k{k}"]["top5"] >= results[f"k{k}"]["top1"]
     assert os.path.isdir(os.path.join(workdir, "tensorboard"))
 
+    # The sharded bank gives what the host implementation gives on the same features.
+    mesh = parallel.make_mesh()
+    forward = evaluate.trunk_forward(config, mesh)
+    kcfg = config.knn
+
+    def host_features(split):
+        batches = data.build_eval_dataset(config.data, split, batch_size=kcfg.batch_size)
+        pool = {kcfg.layer: pooling.get_pool(kcfg.pool, kcfg.layer)}
+        got = features.collect_features(
+            forward, batches.as_numpy_iterator(), [kcfg.layer], mesh, pool=pool
+        )
+        return got.features[kcfg.layer].reshape(len(got), -1), got.labels
+
+    (bank, bank_labels), (queries, labels) = map(host_features, (kcfg.train_split, kcfg.test_split))
+    for k in config.knn.ks:
+        want = knn.knn_accuracy(
+            bank,
+            bank_labels,
+            queries,
+            labels,
+            num_classes=int(max(bank_labels.max(), labels.max())) + 1,
+            k=k,
+            temperature=kcfg.temperature,
+        )
+        assert results[f"k{k}"] == pytest.approx(want)
+
+
+def _write_split(directory, name, feats, labels, inds, bounds=None):
+    """One layer ("res5") of a split in extract_features' layout, with split.json if bounds."""
+    os.makedirs(directory / name)
+    np.save(directory / name / "res5_features.npy", feats)
+    np.save(directory / name / "res5_targets.npy", labels.astype(np.int64))
+    np.save(directory / name / "res5_inds.npy", inds.astype(np.int64))
+    if bounds is not None:
+        extract.write_split_info(str(directory / name), name, bounds, len(inds))
+
 
 def test_knn_from_features_on_disk_matches_brute_force(tmp_path):
     rng = np.random.default_rng(0)
@@ -65,10 +101,9 @@ def test_knn_from_features_on_disk_matches_brute_force(tmp_path):
         # A pooled (n, h, w, c) map, as extract_features stores it: kNN flattens it.
         feats = rng.normal(size=(n, 2, 2, 3)).astype(np.float32)
         labels = rng.integers(0, num_classes, n)
-        os.makedirs(directory / split)
-        np.save(directory / split / "res5_features.npy", feats)
-        np.save(directory / split / "res5_targets.npy", labels.astype(np.int64))
-        np.save(directory / split / "res5_inds.npy", np.arange(n, dtype=np.int64))
+        _write_split(
+            directory, split, feats, labels, np.arange(n), extract.SplitBounds(split, 0, n, n)
+        )
         arrays[split] = (feats.reshape(n, -1), labels)
 
     config = knn_config.get_config("test")
@@ -76,17 +111,71 @@ def test_knn_from_features_on_disk_matches_brute_force(tmp_path):
     config.knn.ks = (k, 1)
     config.knn.temperature = temperature
     config.knn.train_split = "train"
-    config.knn.test_split = "test[:31]"  # a TFDS slice reads the split's directory
+    config.knn.test_split = "test[5:20]"  # a slice: exactly its 15 examples
     # The extract_features workdir itself (its features/ dir is found).
     config.knn.features_dir = str(tmp_path / "extracted")
     results = evaluate.run_knn(config, str(tmp_path / "knn"))
 
     (train_x, train_y), (test_x, test_y) = arrays["train"], arrays["test"]
+    test_x, test_y = test_x[5:20], test_y[5:20]
+    assert results["num_test"] == 15
     for kk in (k, 1):
         scores = _reference_scores(train_x, train_y, test_x, num_classes, kk, temperature)
         want = knn.topk_accuracy(scores, test_y)
         assert results[f"k{kk}"] == pytest.approx(want)
     assert _read_results(tmp_path / "knn") == results
+
+
+def test_slices_of_cached_features_select_exactly_their_examples(tmp_path):
+    rng = np.random.default_rng(1)
+    n = 40
+    feats = rng.normal(size=(n, 3)).astype(np.float32)
+    labels = rng.integers(0, 4, n)
+    _write_split(
+        tmp_path, "test", feats, labels, np.arange(n), extract.SplitBounds("test", 0, n, n)
+    )
+    # A separately extracted slice (its inds are indices in the whole split).
+    rows = np.arange(10, 20)
+    bounds = extract.SplitBounds("test", 10, 20, n)
+    name = extract.split_dir_name("test[10:20]", bounds)
+    assert name == "test@10-20"
+    _write_split(tmp_path, name, feats[rows] + 1, labels[rows], rows, bounds)
+
+    def load(split):
+        return evaluate.load_features(str(tmp_path), split, ["res5"])
+
+    for split, want in (
+        ("test", np.arange(n)),
+        ("test[:5]", np.arange(5)),
+        ("test[:10%]", np.arange(4)),
+        ("test[-3:]", np.arange(37, 40)),
+        ("test[12:18]", np.arange(12, 18)),
+    ):
+        got = load(split)
+        np.testing.assert_array_equal(got.indices, want, err_msg=split)
+        np.testing.assert_array_equal(got.labels, labels[want], err_msg=split)
+    # The exact slice's own directory is preferred over the whole split's (which it marks +1).
+    np.testing.assert_allclose(load("test[10:20]").features["res5"], feats[rows] + 1)
+    np.testing.assert_allclose(load("test[:5]").features["res5"], feats[:5])
+    assert isinstance(load("test[:5]").features["res5"], np.memmap)  # still streamed
+
+    with pytest.raises(ValueError, match="single slice"):
+        load("test[:5]+test[7:9]")
+    # A split without split.json cannot tell which examples it holds: slices are refused.
+    _write_split(tmp_path, "train", feats, labels, np.arange(n))
+    with pytest.raises(FileNotFoundError, match="split.json"):
+        load("train[:5]")
+    np.testing.assert_array_equal(load("test").indices, np.arange(n))
+    assert len(evaluate.load_features(str(tmp_path), "train", ["res5"])) == n
+
+
+def test_slice_no_extraction_covers_is_refused(tmp_path):
+    bounds = extract.SplitBounds("test", 10, 20, 40)
+    rows = np.arange(10, 20)
+    _write_split(tmp_path, "test@10-20", np.zeros((10, 3), np.float32), rows % 3, rows, bounds)
+    assert len(evaluate.load_features(str(tmp_path), "test[12:20]", ["res5"])) == 8
+    with pytest.raises(FileNotFoundError, match=r"cover 'test\[5:15\]'.*test@10-20 \[10:20\]"):
+        evaluate.load_features(str(tmp_path), "test[5:15]", ["res5"])
 
 
 def test_linear_eval_end_to_end(shared_dirs, trained_workdir, tmp_path):

@@ -5,6 +5,7 @@ epoch of 32 examples); extraction from it runs in-process, on 4 devices and as 2
 x 2 devices (real ``launch.py`` processes, gloo collectives), and the files must agree.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -17,10 +18,12 @@ from test_launch import REPO, launch_env, prepare_shared_dirs
 
 from configs import extract_features, moco
 from jssl import data, methods, pooling, weights
-from jssl.engines import extract, train
+from jssl.engines import evaluate, extract, train
 
 LAYERS = ("res5", "avgpool", "head")
 SPLITS = {"train": 64, "test": 40}  # the "test" preset: train[:64], test[:40]
+# Slices of the demo's 8000/2000-example splits are named by the examples they hold.
+DIRS = {"train": "train@0-64", "test": "test@0-40"}
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +63,7 @@ def load_all(workdir):
     for split in SPLITS:
         for layer in LAYERS:
             for kind in extract.KINDS:
-                path = os.path.join(workdir, "features", split, f"{layer}_{kind}.npy")
+                path = os.path.join(workdir, "features", DIRS[split], f"{layer}_{kind}.npy")
                 out[split, layer, kind] = np.load(path, mmap_mode="r")
     return out
 
@@ -87,6 +90,35 @@ def test_files_shapes_indices_and_targets(extracted):
     assert not any(
         name.endswith(".partial") for name in os.listdir(summary["test[:40]"]["directory"])
     )
+    with open(os.path.join(workdir, "features", DIRS["test"], extract.SPLIT_INFO)) as f:
+        assert json.load(f) == {
+            "split": "test[:40]",
+            "base": "test",
+            "start": 0,
+            "end": 40,
+            "base_num_examples": 2000,
+            "num_examples": 40,
+        }
+
+
+def test_two_slices_of_a_split_write_two_directories(shared_dirs, trained, tmp_path):
+    config = extract_config(shared_dirs, trained)
+    config.extract.splits = ("test[:8]", "test[8:16]")
+    config.extract.layers = ("avgpool",)
+    summary = extract.run_extract_features(config, str(tmp_path))
+    features_dir = tmp_path / "features"
+    assert sorted(os.listdir(features_dir)) == ["config.json", "test@0-8", "test@8-16"]
+    second = np.load(features_dir / "test@8-16" / "avgpool_inds.npy")
+    np.testing.assert_array_equal(second, np.arange(8, 16))  # indices in the whole split
+    assert summary["test[8:16]"]["directory"] == str(features_dir / "test@8-16")
+    # The evaluation engines select slices from them, and refuse what none covers.
+    got = evaluate.load_features(str(tmp_path), "test[10:14]", ["avgpool"])
+    np.testing.assert_array_equal(got.indices, np.arange(10, 14))
+    np.testing.assert_array_equal(
+        got.features["avgpool"], np.load(features_dir / "test@8-16" / "avgpool_features.npy")[2:6]
+    )
+    with pytest.raises(FileNotFoundError, match="cover"):
+        evaluate.load_features(str(tmp_path), "test[4:12]", ["avgpool"])
 
 
 def test_features_equal_a_direct_forward(shared_dirs, trained, extracted):
@@ -261,7 +293,13 @@ def test_layer_pools_parsing():
         pooling.layer_pools("res3=avg", ["res5"])
     with pytest.raises(ValueError, match="Unknown pool spec"):
         pooling.get_pool("max")
-    assert extract.output_dir("/w", "train[:10%]") == "/w/features/train"
+    # Without resolved bounds (e.g. mock TFDS data) a slice is named from its spelling.
+    assert extract.output_dir("/w", "train[:10%]") == "/w/features/train@-10%"
+    assert extract.output_dir("/w", "train") == "/w/features/train"
+    whole = extract.SplitBounds("train", 0, 100, 100)
+    assert extract.output_dir("/w", "train[:100%]", whole) == "/w/features/train"
+    tenth = extract.SplitBounds("train", 0, 10, 100)
+    assert extract.output_dir("/w", "train[:10%]", tenth) == "/w/features/train@0-10"
 
 
 def test_torch_trunk_is_imported_and_head_stays_random(shared_dirs, trained, tmp_path):

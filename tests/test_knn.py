@@ -1,9 +1,20 @@
-"""Tests for jssl.knn against a brute-force numpy weighted kNN (Wu et al. 2018)."""
+"""Tests for jssl.knn against a brute-force numpy weighted kNN (Wu et al. 2018), and of the
+device-sharded bank against the host implementation.
 
+Run as a script (``python tests/test_knn.py OUT.npz``) this file runs the sharded kNN cases
+on every visible device and saves the results; the 4-device test starts it in a fresh process
+with XLA_FLAGS forcing 4 CPU devices, as JAX may already have one device in pytest.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
 import numpy as np
 import pytest
 
-from jssl import knn
+from jssl import knn, knn_sharded, parallel
 
 
 def _reference_scores(train, train_labels, test, num_classes, k, temperature):
@@ -83,3 +94,128 @@ def test_topk_accuracy():
 def test_bad_labels_raise():
     with pytest.raises(ValueError, match="outside"):
         knn.knn_scores(np.ones((3, 2)), np.array([0, 1, 3]), np.ones((1, 2)), num_classes=3)
+
+
+# (n_train, n_test, k, batch, block_rows): every case has padding rows in the last bank and
+# query batch; block_rows < batch * batches leaves unused slots in the last block.
+SHARDED_CASES = (
+    (103, 37, 10, 8, 16),  # 4 devices: 4 bank rows per device and block, fewer than k
+    (50, 9, 60, 8, 8192),  # k larger than the whole bank: clamped like knn_scores
+    (40, 16, 1, 8, 24),  # k=1
+)
+
+
+def _sharded_case(n_train, n_test, k, batch, block_rows, mesh):
+    """(sharded top-k accuracies, host knn_accuracy, sharded top-k sims, bank size)."""
+    rng = np.random.default_rng(n_train)
+    num_classes, d = 7, 6
+    # A (n, 2, 3) feature map: both implementations flatten it.
+    train = rng.normal(size=(n_train, 2, 3)).astype(np.float32)
+    train_labels = rng.integers(0, num_classes - 1, n_train)  # class 6 only among queries
+    test = rng.normal(size=(n_test, 2, 3)).astype(np.float32)
+    test_labels = rng.integers(0, num_classes, n_test)
+
+    def batches(x, labels):
+        for start in range(0, len(x), batch):
+            rows = np.arange(start, start + batch)
+            mask = rows < len(x)
+            rows = np.where(mask, rows, 0)  # padding rows repeat example 0, masked out
+            yield parallel.host_batch_to_global(
+                (x[rows], labels[rows].astype(np.int32), mask), mesh
+            )
+
+    builder = knn_sharded.BankBuilder(mesh, block_rows=block_rows)
+    for feats, labels, mask in batches(train, train_labels):
+        builder.add(feats, labels, mask)
+    bank = builder.finish()
+    sims, neighbours, kept_labels = [], [], []
+    kk = min(k, n_train)
+    for feats, labels, mask in batches(test, test_labels):
+        s, n = knn_sharded.sharded_top_k(bank, feats, kk)
+        keep = np.asarray(jax.device_get(mask))
+        sims.append(s[keep])
+        neighbours.append(n[keep])
+        kept_labels.append(np.asarray(jax.device_get(labels))[keep])
+    num_classes_seen = int(max(bank.max_label, np.concatenate(kept_labels).max())) + 1
+    got = knn.vote_accuracy(
+        np.concatenate(sims),
+        np.concatenate(neighbours),
+        np.concatenate(kept_labels),
+        num_classes=num_classes_seen,
+        k=kk,
+        temperature=0.07,
+        chunk=16,  # several vote chunks, the last one padded
+    )
+    want = knn.knn_accuracy(
+        train.reshape(n_train, d),
+        train_labels,
+        test.reshape(n_test, d),
+        test_labels,
+        num_classes=num_classes_seen,
+        k=k,
+        temperature=0.07,
+    )
+    return got, want, np.concatenate(sims), bank.num_examples
+
+
+def _run_sharded_cases(mesh) -> dict[str, np.ndarray]:
+    out = {}
+    for i, case in enumerate(SHARDED_CASES):
+        got, want, sims, count = _sharded_case(*case, mesh)
+        out[f"got{i}"] = np.array([got["top1"], got["top5"]])
+        out[f"want{i}"] = np.array([want["top1"], want["top5"]])
+        out[f"sims{i}"], out[f"count{i}"] = sims, np.array(count)
+    return out
+
+
+def _check_sharded(results):
+    for i, case in enumerate(SHARDED_CASES):
+        np.testing.assert_array_equal(results[f"got{i}"], results[f"want{i}"], err_msg=str(case))
+        assert int(results[f"count{i}"]) == case[0]
+        n_train, n_test, k = case[:3]
+        # Every query found min(k, n_train) real neighbours, best first.
+        sims = results[f"sims{i}"]
+        assert sims.shape == (n_test, min(k, n_train)) and np.all(np.isfinite(sims))
+        assert np.all(np.diff(sims, axis=1) <= 0)
+
+
+def test_sharded_bank_matches_host_knn_on_one_device():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (parallel.DATA_AXIS,))
+    _check_sharded(_run_sharded_cases(mesh))
+
+
+def test_sharded_bank_matches_host_knn_on_four_devices(tmp_path):
+    out = tmp_path / "four.npz"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, __file__, str(out)], env=env, check=True, timeout=120)
+    results = np.load(out)
+    assert int(results["num_devices"]) == 4
+    _check_sharded(results)
+
+
+def test_sharded_bank_keeps_rows_on_their_devices():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (parallel.DATA_AXIS,))
+    builder = knn_sharded.BankBuilder(mesh, block_rows=16)
+    x = parallel.host_batch_to_global(
+        (np.ones((8, 3), np.float32), np.zeros(8, np.int32), np.ones(8, bool)), mesh
+    )
+    for _ in range(3):
+        builder.add(*x)
+    bank = builder.finish()
+    assert bank.num_examples == 24 and bank.max_label == 0 and len(bank.blocks) == 2
+    features = bank.blocks[0][0]
+    assert features.shape == (2, 8, 3)
+    assert features.sharding.spec == jax.sharding.PartitionSpec(None, parallel.DATA_AXIS)
+    with pytest.raises(ValueError, match="feature dims differ"):
+        knn_sharded.sharded_top_k(
+            bank, parallel.host_batch_to_global(np.ones((8, 5), np.float32), mesh), 3
+        )
+
+
+if __name__ == "__main__":
+    np.savez(
+        sys.argv[1], num_devices=jax.device_count(), **_run_sharded_cases(parallel.make_mesh())
+    )

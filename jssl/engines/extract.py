@@ -11,12 +11,19 @@ writes memory-mapped ``.npy`` files allocated at the split's size and filled bat
 batch, so a split larger than host memory is fine; files are written under a temporary
 name and renamed when complete, so an interrupted run leaves no half-written features.
 
-Output: ``workdir/features/<split>/<layer>_{features,targets,inds}.npy`` (float32
-features, int64 targets and indices), plus ``workdir/features/config.json``.
+Output: ``workdir/features/<name>/<layer>_{features,targets,inds}.npy`` (float32
+features, int64 targets and indices) and ``<name>/split.json`` (which examples of which split
+the directory holds), plus ``workdir/features/config.json``. ``<name>`` is the split's name
+for a whole split and ``<split>@<start>-<end>`` for a TFDS slice, in examples of the whole
+split ("test[10:20]" -> ``features/test@10-20``; see ``split_dir_name``), so extracting two
+slices of one split never writes one directory. ``inds`` are indices in the whole split
+(test[10:20] stores 10..19), so the rows of a slice can be matched with the full split's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import re
@@ -35,13 +42,77 @@ from jssl import checkpoint, data, features, methods, parallel, pooling, weights
 from jssl.data import sources
 
 KINDS = ("features", "targets", "inds")
+SPLIT_INFO = "split.json"  # which examples of which split a features directory holds
 
 
-def output_dir(workdir: str, split: str) -> str:
-    """``workdir/features/<split>``; a TFDS slice ("train[:10%]") keeps the split's name."""
-    name = re.sub(r"\[.*\]$", "", split)
-    name = re.sub(r"[^\w.-]", "_", name) or "split"
-    return os.path.join(workdir, "features", name)
+@dataclasses.dataclass(frozen=True)
+class SplitBounds:
+    """Which examples a (possibly sliced) split holds: [start, end) of ``base``'s
+    ``base_num_examples``."""
+
+    base: str
+    start: int
+    end: int
+    base_num_examples: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end == self.base_num_examples
+
+
+def split_bounds(data_config: ml_collections.ConfigDict, split: str) -> SplitBounds | None:
+    """The absolute bounds of ``split`` (TFDS slice semantics), None when the source cannot
+    tell (TFDS data without split metadata, e.g. ``tfds.testing.mock_data``)."""
+    source = sources.resolve_split(data_config, split)
+    if source.kind == "folder":
+        return SplitBounds(split, 0, source.num_examples, source.num_examples)
+    if not source.sliceable:
+        return None
+    base_size = source.builder.info.splits[source.base_split].num_examples
+    return SplitBounds(
+        source.base_split, source.offset, source.offset + source.num_examples, base_size
+    )
+
+
+def _sanitise(name: str) -> str:
+    return re.sub(r"[^\w.-]", "_", name) or "split"
+
+
+def split_dir_name(split: str, bounds: SplitBounds | None = None) -> str:
+    """The directory name of ``split``'s features.
+
+    A whole split keeps its name ("test"). A slice is named by the examples it holds,
+    ``<base>@<start>-<end>`` in examples of the base split: "test[10:20]" -> "test@10-20",
+    "test[:10%]" of 2,000 examples -> "test@0-200", so different slices never share a
+    directory and spellings of the same slice do. ``@`` never survives the sanitising of
+    names, so a slice's name cannot be a whole split's. Without ``bounds`` (or when they are
+    unknown) a slice is named from its spelling: "test[:10%]" -> "test@-10%".
+    """
+    if bounds is not None:
+        if bounds.whole:
+            return _sanitise(bounds.base)
+        return f"{_sanitise(bounds.base)}@{bounds.start}-{bounds.end}"
+    match = re.fullmatch(r"(.*?)\[(.*)\](.*)", split)
+    if not match:
+        return _sanitise(split)
+    base, inner, rest = match.groups()
+    spelling = re.sub(r"[^\w.%-]", "_", inner.replace(":", "-") + rest)
+    return f"{_sanitise(base)}@{spelling}"
+
+
+def output_dir(workdir: str, split: str, bounds: SplitBounds | None = None) -> str:
+    """``workdir/features/<split_dir_name(split, bounds)>``."""
+    return os.path.join(workdir, "features", split_dir_name(split, bounds))
+
+
+def write_split_info(directory: str, split: str, bounds: SplitBounds, num_examples: int) -> None:
+    """Records in ``<directory>/split.json`` which examples the directory holds; the
+    evaluation engines select slices from it (jssl.engines.evaluate.load_features)."""
+    info = {"split": split, **dataclasses.asdict(bounds), "num_examples": num_examples}
+    path = os.path.join(directory, SPLIT_INFO)
+    with open(path + ".partial", "w") as f:
+        json.dump(info, f, indent=2)
+    os.replace(path + ".partial", path)
 
 
 def make_extract_fn(
@@ -64,9 +135,12 @@ def make_extract_fn(
 class _SplitWriter:
     """Memory-mapped ``.npy`` files of one split, filled at row = dataset index."""
 
-    def __init__(self, directory: str, shapes: Mapping[str, tuple[int, ...]], num: int):
+    def __init__(
+        self, directory: str, shapes: Mapping[str, tuple[int, ...]], num: int, offset: int = 0
+    ):
         os.makedirs(directory, exist_ok=True)
-        self.directory, self.num = directory, num
+        # Rows are positions in the (sliced) split; inds are indices in the base split.
+        self.directory, self.num, self.offset = directory, num, offset
         self.seen = np.zeros(num, bool)
         self.arrays: dict[str, np.ndarray] = {}
         for layer, shape in shapes.items():
@@ -105,7 +179,7 @@ class _SplitWriter:
         for layer, value in feats.items():
             self.arrays[f"{layer}_features"][rows] = value
             self.arrays[f"{layer}_targets"][rows] = labels
-            self.arrays[f"{layer}_inds"][rows] = indices
+            self.arrays[f"{layer}_inds"][rows] = indices + self.offset
 
     def finish(self, allow_missing: bool) -> int:
         """Flushes and renames the files into place; returns the number of rows written."""
@@ -168,7 +242,8 @@ def _extract_split(
     size = config.data.image_size
     images = jax.ShapeDtypeStruct((batch_size, size, size, 3), jnp.float32)
     shapes = {k: v.shape[1:] for k, v in jax.eval_shape(extract_fn, variables, images).items()}
-    directory = output_dir(workdir, split)
+    bounds = split_bounds(config.data, split)
+    directory = output_dir(workdir, split, bounds)
     logging.info(
         "Extracting %s (%d examples, %d batches of %d) -> %s; feature shapes %s",
         split,
@@ -178,7 +253,8 @@ def _extract_split(
         directory,
         shapes,
     )
-    writer = _SplitWriter(directory, shapes, num) if jax.process_index() == 0 else None
+    offset = bounds.start if bounds is not None else 0
+    writer = _SplitWriter(directory, shapes, num, offset) if jax.process_index() == 0 else None
     batches = data.build_eval_dataset(
         config.data,
         split,
@@ -217,6 +293,8 @@ def _extract_split(
     written = done
     if writer is not None:
         written = writer.finish(allow_missing=config.data.skip_corrupt)
+        if bounds is not None:
+            write_split_info(directory, split, bounds, written)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"jssl_extract_{split}")
     return {

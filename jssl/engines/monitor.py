@@ -1,10 +1,22 @@
 """Representation-quality monitors run by the train engine: kNN accuracy, the online probe's
-test accuracy, per-example evaluation outputs and a 2-D picture of the embeddings."""
+test accuracy, per-example evaluation outputs and a 2-D picture of the embeddings.
+
+Every pass here reads a split through the evaluation pipeline (``data.build_eval_dataset``:
+centre crop, each example exactly once, the last batch padded with ``mask`` False rows), so
+results cover the whole split and do not depend on augmentation draws.
+
+The test phase is ONE pass over the test split: each batch goes through the eval step once,
+which gives the method's loss (the image fed as every view: the loss on identical
+centre-crop views), the per-example outputs and the kNN query features. The kNN bank (the
+train split) stays sharded over the devices (``knn_sharded.BankBuilder``); each query batch's top-k
+is reduced across devices right away, so no process holds the bank or all query features.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -12,21 +24,110 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from jssl import data, features, knn, parallel, probe, summaries
+from jssl import data, knn, knn_sharded, parallel, probe, summaries
+from jssl.train_step import make_eval_step
+
+# kNN layers the method already returns per example (Method.loss ``updates``), under these names.
+_METHOD_OUTPUTS = {"avgpool": "features", "head": "embeddings"}
 
 
-def clean_features(config: ml_collections.ConfigDict, forward, state, mesh, split: str):
-    """``config.knn.layer`` features of un-augmented images of ``split``, each example once."""
+def make_test_step(config: ml_collections.ConfigDict, method, mesh) -> Callable:
+    """The eval step ``test_phase`` expects: every view is the eval image, and the kNN layer
+    is among its per-example outputs (so the kNN queries come from the same forward)."""
+    layer = config.knn.layer
+    taps = (layer,) if config.knn.enabled and layer not in _METHOD_OUTPUTS else ()
+    return make_eval_step(method, mesh, num_views=config.data.augment.num_views, taps=taps)
+
+
+def _eval_batches(
+    config: ml_collections.ConfigDict, split: str, batch_size: int, mesh
+) -> Iterator[tuple[dict, dict]]:
+    """(global batch, host copy of the global metadata) over ``split``, each example once.
+
+    The global batch is ``{"image", "label", "index", "mask"}`` sharded on ``data``; the
+    metadata (label, index, mask of every row of the global batch, in its row order) is
+    small and fetched to every host, for dropping padding rows.
+    """
     batches = data.build_eval_dataset(
         config.data,
         split,
-        batch_size=config.knn.batch_size,
+        batch_size=batch_size,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
-    ).as_numpy_iterator()
-    return features.collect_features(
-        lambda images: forward(state, images), batches, [config.knn.layer], mesh
     )
+    for host_batch in batches.as_numpy_iterator():
+        mask = np.asarray(host_batch["mask"], bool)
+        # int32 on the device (no x64); padding rows carry index -1, made 0 here.
+        meta = {
+            "label": np.asarray(host_batch["label"], np.int32),
+            "index": np.where(mask, host_batch["index"], 0).astype(np.int32),
+            "mask": mask,
+        }
+        batch = parallel.host_batch_to_global(dict(meta, image=host_batch["image"]), mesh)
+        meta_host = parallel.global_to_host({k: batch[k] for k in meta})
+        yield batch, {k: np.asarray(v) for k, v in meta_host.items()}
+
+
+def build_bank(config: ml_collections.ConfigDict, forward, state, mesh) -> knn_sharded.ShardedBank:
+    """``config.knn.layer`` features of ``knn.train_split`` (eval transform), kept sharded."""
+    kcfg = config.knn
+    builder = knn_sharded.BankBuilder(mesh)
+    for batch, _ in _eval_batches(config, kcfg.train_split, kcfg.batch_size, mesh):
+        builder.add(forward(state, batch["image"])[kcfg.layer], batch["label"], batch["mask"])
+    bank = builder.finish()
+    logging.info(
+        "kNN bank: %d examples of %s (%d-d), sharded", bank.num_examples, kcfg.layer, bank.dim
+    )
+    return bank
+
+
+class _Queries:
+    """Accumulates the kNN top-k and the probe's hits of streamed query batches (real rows)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, bank: knn_sharded.ShardedBank, state):
+        self.config, self.bank = config, bank
+        # k beyond the bank is clamped, as knn.knn_scores does.
+        self.k = max(1, min(config.knn.k, bank.num_examples))
+        if config.knn.k > bank.num_examples:
+            logging.warning("kNN: k=%d exceeds the bank size %d.", config.knn.k, bank.num_examples)
+        self.probe_params = None
+        if state.probe and config.knn.layer == "avgpool":
+            self.probe_params = jax.device_get(state.probe["params"])
+        self.sims, self.neighbours, self.labels = [], [], []
+        self.probe_hits = {"top1": 0.0, "top5": 0.0}
+
+    @property
+    def needs_features_on_host(self) -> bool:
+        return self.probe_params is not None
+
+    def add(self, queries: jax.Array, meta: dict, host_features: np.ndarray | None = None):
+        keep = meta["mask"]
+        sims, neighbours = knn_sharded.sharded_top_k(self.bank, queries, self.k)
+        self.sims.append(sims[keep])
+        self.neighbours.append(neighbours[keep])
+        self.labels.append(meta["label"][keep])
+        if self.probe_params is not None and keep.any():
+            acc = probe.accuracy(self.probe_params, host_features[keep], meta["label"][keep])
+            for name in self.probe_hits:
+                self.probe_hits[name] += acc[name] * int(keep.sum())
+
+    def result(self) -> dict[str, float]:
+        kcfg = self.config.knn
+        labels = np.concatenate(self.labels)
+        num_classes = int(max(self.bank.max_label, labels.max(initial=-1))) + 1
+        result = knn.vote_accuracy(
+            np.concatenate(self.sims),
+            np.concatenate(self.neighbours),
+            labels,
+            num_classes=num_classes,
+            k=self.k,
+            temperature=kcfg.temperature,
+        )
+        if self.probe_params is not None and len(labels):
+            result.update({f"probe_{k}": v / len(labels) for k, v in self.probe_hits.items()})
+        result = {k: float(v) for k, v in result.items()}
+        logging.info("kNN (%s, k=%d, T=%g): %s", kcfg.layer, kcfg.k, kcfg.temperature, result)
+        return result
 
 
 def knn_eval(config: ml_collections.ConfigDict, forward, state, mesh) -> dict[str, float]:
@@ -34,27 +135,12 @@ def knn_eval(config: ml_collections.ConfigDict, forward, state, mesh) -> dict[st
     bank, the test split the queries; eval-mode network. With the online probe on, its
     accuracy on the same test features is added as ``probe_top1``/``probe_top5``."""
     kcfg = config.knn
-    layer = kcfg.layer
-    bank = clean_features(config, forward, state, mesh, kcfg.train_split)
-    queries = clean_features(config, forward, state, mesh, kcfg.test_split)
-    num_classes = int(max(bank.labels.max(), queries.labels.max())) + 1
-    query_features = queries.features[layer].reshape(len(queries.labels), -1)
-    result = knn.knn_accuracy(
-        bank.features[layer].reshape(len(bank.labels), -1),
-        bank.labels,
-        query_features,
-        queries.labels,
-        num_classes=num_classes,
-        k=kcfg.k,
-        temperature=kcfg.temperature,
-    )
-    result = {k: float(v) for k, v in result.items()}
-    if state.probe and layer == "avgpool":
-        params = jax.device_get(state.probe["params"])
-        acc = probe.accuracy(params, query_features, queries.labels)
-        result.update({f"probe_{k}": v for k, v in acc.items()})
-    logging.info("kNN (%s, k=%d, T=%g): %s", layer, kcfg.k, kcfg.temperature, result)
-    return result
+    queries = _Queries(config, build_bank(config, forward, state, mesh), state)
+    for batch, meta in _eval_batches(config, kcfg.test_split, kcfg.batch_size, mesh):
+        feats = forward(state, batch["image"])[kcfg.layer]
+        host = parallel.global_to_host(feats) if queries.needs_features_on_host else None
+        queries.add(feats, meta, host)
+    return queries.result()
 
 
 def test_phase(
@@ -69,31 +155,51 @@ def test_phase(
     writer=None,
     step: int = 0,
 ) -> dict:
-    """VISSL's test phase: the method's loss on the test split (eval mode, views fixed by
-    the seed), plus the kNN monitor when enabled. With ``config.eval_outputs`` the
-    per-example outputs are written to ``workdir/eval/epoch_<n>/`` (edflow's eval_op) with a
-    PCA picture of the embeddings coloured by class."""
-    test_data = config.data.copy_and_resolve_references()
-    with test_data.unlocked():
-        test_data.train_split = config.data.test_split
-        test_data.train_subset = -1
-    batches = data.build_train_dataset(
-        test_data,
-        seed=config.seed,
-        epoch=0,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+    """VISSL's test phase: one pass over ``data.test_split`` in eval mode.
+
+    ``eval_step`` is ``make_test_step(config, method, mesh)`` (or ``make_eval_step``):
+    the test loss is the method's loss with the centre crop fed as every view, averaged over
+    the real examples. With ``knn.enabled`` the kNN monitor's queries are the same pass's
+    ``knn.layer`` features (when ``knn.test_split`` is the test split; otherwise kNN runs its
+    own pass over ``knn.test_split``). With ``config.eval_outputs`` the per-example outputs of
+    every test example, sorted by index, are written to ``workdir/eval/epoch_<n>/`` (edflow's
+    eval_op) with a PCA picture of the embeddings coloured by class.
+    """
+    kcfg = config.knn
+    split = config.data.test_split
+    same_pass = kcfg.enabled and kcfg.test_split == split
+    queries = (
+        _Queries(config, build_bank(config, forward, state, mesh), state) if same_pass else None
     )
-    collected, outputs = [], []
-    for host_batch in batches.as_numpy_iterator():
-        batch = parallel.host_batch_to_global(host_batch, mesh)
-        metrics, per_example = eval_step(state, batch)
-        collected.append(metrics)
+    query_key = _METHOD_OUTPUTS.get(kcfg.layer, kcfg.layer)
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    outputs, num_examples = [], 0
+    for batch, meta in _eval_batches(config, split, config.data.batch_size, mesh):
+        totals, per_example = eval_step(state, batch)
+        for name, (value, weight) in jax.device_get(totals).items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+            weights[name] = weights.get(name, 0.0) + float(weight)
+        keep = meta["mask"]
+        num_examples += int(keep.sum())
+        if queries is not None:
+            if query_key not in per_example:  # an eval step built without the kNN layer
+                per_example = dict(
+                    per_example, **{query_key: forward(state, batch["image"])[kcfg.layer]}
+                )
+            need_host = config.eval_outputs or queries.needs_features_on_host
+            host = parallel.global_to_host(per_example) if need_host else None
+            queries.add(per_example[query_key], meta, host[query_key] if host else None)
+        elif config.eval_outputs:
+            host = parallel.global_to_host(per_example)
         if config.eval_outputs:
-            per_example = dict(per_example, labels=batch["label"], inds=batch["index"])
-            outputs.append(parallel.global_to_host(per_example))
-    result = summaries.mean_metrics(collected) if collected else {}
-    if config.knn.enabled:
+            rows = {k: np.asarray(v)[keep] for k, v in host.items()}
+            outputs.append(dict(rows, labels=meta["label"][keep], inds=meta["index"][keep]))
+    result = {name: sums[name] / weights[name] for name in sums if weights[name] > 0}
+    result["num_examples"] = num_examples
+    if queries is not None:
+        result.update({f"knn_{k}": v for k, v in queries.result().items()})
+    elif kcfg.enabled:
         result.update({f"knn_{k}": v for k, v in knn_eval(config, forward, state, mesh).items()})
     if outputs:
         write_eval_outputs(os.path.join(workdir, "eval", f"epoch_{epoch}"), outputs, writer, step)
