@@ -5,9 +5,13 @@ r"""jssl's entry point: flags, process set-up, then one engine call. No logic li
 
 Multi-host: run the same command on every host with --coordinator_address=HOST:PORT
 --num_processes=N --process_id=I (or let SLURM / TPU pods provide them).
+
+Exit status: 0 finished, 75 stopped by SIGTERM after saving a checkpoint (rerun the same
+command to resume), anything else a failure.
 """
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -47,7 +51,9 @@ def main(argv):
         jax.device_count(),
         jax.devices()[0].platform,
     )
-    engines.run(_CONFIG.value, _WORKDIR.value)
+    summary = engines.run(_CONFIG.value, _WORKDIR.value)
+    # 75 = preempted by SIGTERM after saving a checkpoint: rerun the same command to resume.
+    sys.exit(engines.exit_status(summary))
 
 
 if __name__ == "__main__":

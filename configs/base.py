@@ -40,7 +40,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.data.image_size = 224
     c.data.train_subset = -1  # >0: only the first N train examples (VISSL DATA_LIMIT)
     c.data.shuffle_buffer = 16384
-    c.data.skip_corrupt = False  # True: skip and count unreadable images instead of failing
+    c.data.skip_corrupt = False  # True: replace unreadable images (counted per epoch), not fail
     c.data.cache = False  # keep decoded examples in memory (small datasets)
     c.data.augment = ml_collections.ConfigDict()
     a = c.data.augment
@@ -79,13 +79,24 @@ def get_base_config() -> ml_collections.ConfigDict:
     o.grad_clip_norm = 0.0
 
     c.init = ml_collections.ConfigDict()
-    # Weights to start from when the workdir has no checkpoint: a jssl workdir or checkpoint
-    # step dir, or a VISSL .torch / torchvision .pth file (trunk only). "" = from scratch.
+    # Weights to start from when the workdir has no checkpoint to resume (the workdir's own
+    # checkpoint always wins): a jssl workdir, its checkpoints/ dir or one step dir, or a VISSL
+    # .torch / torchvision .pth ResNet file. "" = from scratch. Training loads the trunk (it
+    # must fit model.*), the heads where shapes fit, and the same weights into a momentum
+    # encoder; evaluation engines load the whole online model.
     c.init.checkpoint = ""
+    # Parameter-path prefixes that keep their fresh init when training starts from
+    # init.checkpoint, e.g. ("head",) or ("head", "trunk/layer4_1") (VISSL's
+    # MODEL.WEIGHTS_INIT.SKIP_LAYERS).
+    c.init.skip = ()
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # >0: also save every N steps (always at the end of an epoch)
-    c.checkpoint.max_to_keep = 3
+    c.checkpoint.max_to_keep = 3  # newest checkpoints kept; 0 keeps all (negative is an error)
+    # Resuming a workdir under a config that differs from its first one (workdir/config.json)
+    # in a field that changes the run (model, data, batch, optimizer, method ...) is refused;
+    # True allows it and records the change.
+    c.checkpoint.allow_config_change = False
     c.checkpoint.async_save = True
 
     c.knn = ml_collections.ConfigDict()

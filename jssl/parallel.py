@@ -52,15 +52,31 @@ def initialize(
     cluster (or the tests' localhost processes) the gloo collectives are used.
     """
     explicit = coordinator_address is not None
-    if not explicit and not _in_cluster_environment():
+    if not explicit and (num_processes is not None or process_id is not None):
+        raise ValueError(
+            "--num_processes/--process_id were given without --coordinator_address: pass all "
+            "three (HOST:PORT of process 0) for a multi-host run, or none for a single process."
+        )
+    cluster = None if explicit else _cluster_environment()
+    if not explicit and cluster is None:
         return
     # Only the CPU backend reads this; it lets CPU-only clusters (and the tests) all-reduce.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+    except (RuntimeError, ValueError) as e:
+        if explicit:
+            raise
+        raise RuntimeError(
+            f"The environment looks like a multi-process {cluster} job, but jax.distributed "
+            f"could not start from it ({type(e).__name__}: {e}). Pass --coordinator_address, "
+            "--num_processes and --process_id explicitly, or unset the cluster variables "
+            f"({', '.join(_CLUSTER_KEYS[cluster])}) to run a single process."
+        ) from e
     logging.info(
         "jax.distributed: process %d of %d, %d local / %d global devices",
         jax.process_index(),
@@ -70,9 +86,30 @@ def initialize(
     )
 
 
-def _in_cluster_environment() -> bool:
-    keys = ("SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
-    return any(k in os.environ for k in keys) and os.environ.get("SLURM_NTASKS", "2") != "1"
+_CLUSTER_KEYS = {
+    "SLURM": ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_NODELIST"),
+    "Cloud TPU": ("TPU_WORKER_HOSTNAMES",),
+    "Multislice TPU": ("MEGASCALE_COORDINATOR_ADDRESS",),
+}
+
+
+def _cluster_environment() -> str | None:
+    """The multi-process cluster this process was started in, or None for a single process.
+
+    SLURM counts only for a step started by ``srun`` with more than one task: a SLURM_JOB_ID
+    alone (an ``salloc`` shell, a batch script running python directly, a variable left in
+    the environment) is one process. A TPU VM counts when it lists more than one worker.
+    """
+    env = os.environ
+    if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env and "SLURM_STEP_NODELIST" in env:
+        tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))
+        if tasks.isdigit() and int(tasks) > 1:
+            return "SLURM"
+    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1:
+        return "Cloud TPU"
+    if "MEGASCALE_COORDINATOR_ADDRESS" in env:
+        return "Multislice TPU"
+    return None
 
 
 def make_mesh() -> Mesh:

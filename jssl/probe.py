@@ -14,6 +14,8 @@ import ml_collections
 import numpy as np
 import optax
 
+from jssl.data import sources
+
 
 def enabled(config: ml_collections.ConfigDict) -> bool:
     return config.probe.num_classes > 0
@@ -78,3 +80,26 @@ def accuracy(params: dict, features: np.ndarray, labels: np.ndarray) -> dict[str
         "top1": float(np.mean(top[:, 0] == labels) * 100),
         "top5": float(np.mean(np.any(top == labels[:, None], axis=1)) * 100),
     }
+
+
+def check_num_classes(config: ml_collections.ConfigDict) -> None:
+    """The online probe's classifier must cover every label of the training data; a label
+    past ``probe.num_classes`` would make its loss NaN from the first step."""
+    if not enabled(config):
+        return
+    found = _dataset_num_classes(config.data, config.data.train_split)
+    if found is not None and found > config.probe.num_classes:
+        raise ValueError(
+            f"The train split has {found} classes but probe.num_classes="
+            f"{config.probe.num_classes}: set --config.probe.num_classes={found} (or 0 to turn "
+            "the online probe off)."
+        )
+
+
+def _dataset_num_classes(data_config: ml_collections.ConfigDict, split: str) -> int | None:
+    """Classes of the split's labels: TFDS metadata, or an image folder's class folders."""
+    source = sources.resolve_split(data_config, split)
+    if source.kind == "folder":
+        return int(source.labels.max()) + 1
+    label = source.builder.info.features["label"] if source.builder is not None else None
+    return getattr(label, "num_classes", None)

@@ -8,13 +8,14 @@ use named collectives; the whole thing is one ``jax.jit`` with the state donated
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jssl import probe as online_probe
@@ -39,9 +40,14 @@ def make_train_step(
 
     With ``probe_config`` (the run's config, probe enabled) the online linear probe is
     trained in the same step on the method's stop-gradient ``updates["features"]``.
+
+    The step is called as ``step(state, batch)`` or ``step(state, batch, stop)``, where
+    ``stop`` is :func:`stop_flags` of this process's SIGTERM flag: the step returns
+    ``metrics["stop"]``, the flag's maximum over every device of every process, so all
+    processes agree on when to stop without a collective of their own outside the step.
     """
 
-    def per_replica(state: TrainState, batch: Any):
+    def per_replica(state: TrainState, batch: Any, stop: jax.Array):
         # Same key on every replica: methods that need agreement (shuffle-BN's permutation)
         # get it for free; per-replica randomness folds in jax.lax.axis_index(DATA_AXIS).
         rng = jax.random.fold_in(state.rng, state.step)
@@ -59,47 +65,104 @@ def make_train_step(
             opt_state=opt_state,
         )
         new_state = method.after_update(new_state, updates)
+        finite = jnp.isfinite(loss) & _all_finite(grads)
         if probe_config is not None and state.probe:
             new_probe, probe_metrics = online_probe.update(
                 probe_config, state.probe, updates["features"], batch["label"], DATA_AXIS
             )
             new_state = new_state.replace(probe=new_probe)
             metrics = dict(metrics, **probe_metrics)
+            finite = finite & jnp.isfinite(probe_metrics["probe/loss"])
 
-        # A non-finite loss or gradient keeps the previous state and records the step, so
-        # the host can stop with a precise message and the last checkpoint stays valid.
-        finite = jnp.isfinite(loss) & _all_finite(grads)
+        # A non-finite loss or gradient (the method's or the online probe's) keeps the
+        # previous state and records the step, so the host can stop with a precise message
+        # and the last checkpoint stays valid.
         first_bad = jnp.where(state.nonfinite_step >= 0, state.nonfinite_step, state.step)
         kept = state.replace(nonfinite_step=first_bad)
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, kept)
 
         metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))
+        metrics["stop"] = jax.lax.pmax(jnp.max(stop), DATA_AXIS)
         return new_state, metrics
 
     sharded = jax.shard_map(
         per_replica,
         mesh=mesh,
-        in_specs=(P(), P(DATA_AXIS)),
+        in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)),
         out_specs=(P(), P()),
         # Replicated values are kept consistent by the explicit pmeans above (pmap style).
         check_vma=False,
     )
-    return jax.jit(sharded, donate_argnums=0)
+    step = jax.jit(sharded, donate_argnums=0)
+    no_stop = stop_flags(mesh, False)
+
+    def train_step(state: TrainState, batch: Any, stop: jax.Array | None = None):
+        return step(state, batch, no_stop if stop is None else stop)
+
+    return train_step
 
 
-def make_eval_step(method: Method, mesh: Mesh) -> Callable[[TrainState, Any], tuple]:
-    """The method's loss in evaluation mode (BN running statistics, no state updates).
+def stop_flags(mesh: Mesh, requested: bool) -> jax.Array:
+    """This process's stop request as the step's ``stop`` input: one int32 per device,
+    sharded on the data axis (each process fills its own devices' entries)."""
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    local = np.full((len(mesh.local_devices),), int(requested), np.int32)
+    return jax.make_array_from_process_local_data(sharding, local)
 
-    Returns the batch-mean metrics and per-example outputs (sharded like the batch):
-    ``per_example_loss``, ``embeddings`` (head output) and ``features`` (trunk) when the
-    method provides them, for the per-epoch evaluation dumps.
+
+def make_eval_step(
+    method: Method, mesh: Mesh, *, num_views: int = 2, taps: Sequence[str] = ()
+) -> Callable[[TrainState, Any], tuple]:
+    """The method's loss on an evaluation batch, in evaluation mode (BN running statistics,
+    no state updates), with the per-example outputs the test phase writes.
+
+    The batch is the evaluation pipeline's ``{"image", "label", "index", "mask"}`` (one
+    centre crop per example, padding rows with ``mask`` False). The image is fed as every
+    one of the method's ``num_views`` views, so the test loss is the method's loss on
+    identical centre-crop views: it measures the encoders' agreement on clean images, not the
+    augmentation-invariance the training loss measures.
+
+    Returns ``(totals, per_example)``:
+
+    - ``totals``: ``{name: (weighted_sum, weight)}`` summed over the global batch, so the
+      caller averages over a whole split with sum(weighted_sum) / sum(weight). ``loss`` is
+      exact over the real rows (the method's ``per_example_loss`` times ``mask``). The
+      method's batch-mean metrics cannot be split per example, so they count only for local
+      (per-device) batches without padding rows.
+    - ``per_example`` (sharded like the batch): ``per_example_loss``, ``embeddings`` (head
+      output), ``features`` (trunk avgpool) when the method provides them, and each layer of
+      ``taps`` from the same eval-mode forward of the online model (XLA computes the
+      network once: it is the method's query forward on the same image), as float32.
     """
     per_example_keys = ("per_example_loss", "embeddings", "features")
+    taps = tuple(taps)
 
     def per_replica(state: TrainState, batch: Any):
-        loss, (metrics, updates) = method.loss(state.params, state, batch, state.rng, train=False)
+        image = batch["image"]
+        mask = batch["mask"].astype(jnp.float32)
+        method_batch = dict(batch, views=(image,) * num_views)
+        loss, (metrics, updates) = method.loss(
+            state.params, state, method_batch, state.rng, train=False
+        )
         outputs = {k: updates[k].astype(jnp.float32) for k in per_example_keys if k in updates}
-        return jax.lax.pmean(dict(metrics, loss=loss), DATA_AXIS), outputs
+        if taps:
+            variables = {"params": state.params, "batch_stats": state.batch_stats}
+            tapped = method.model.apply(variables, image, train=False)
+            missing = [layer for layer in taps if layer not in tapped]
+            if missing:
+                raise KeyError(f"unknown layer(s) {missing}; the model taps {sorted(tapped)}")
+            outputs.update({layer: tapped[layer].astype(jnp.float32) for layer in taps})
+
+        count = jnp.sum(mask)
+        # A local batch with padding rows has batch means polluted by them: weight 0.
+        full = jnp.where(count == mask.shape[0], count, 0.0)
+        totals = {name: (value * full, full) for name, value in metrics.items()}
+        if "per_example_loss" in updates:
+            per_example_loss = updates["per_example_loss"].astype(jnp.float32)
+            totals["loss"] = (jnp.sum(per_example_loss * mask), count)
+        else:
+            totals["loss"] = (loss * full, full)
+        return jax.lax.psum(totals, DATA_AXIS), outputs
 
     sharded = jax.shard_map(
         per_replica,

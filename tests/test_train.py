@@ -6,6 +6,7 @@ Kill and SIGTERM tests use real ``launch.py`` processes; the rest call
 ``jssl.engines.train.run`` in-process.
 """
 
+import json
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ from test_launch import (
 from configs import moco
 from jssl import checkpoint
 from jssl.engines import train
+from jssl.engines.preemption import PREEMPTED_EXIT_CODE
 
 # 2 epochs of 4 steps; a synchronous checkpoint every 2 steps, so steps 2 and 6 are
 # mid-epoch ones (4 and 8 end an epoch).
@@ -74,17 +76,21 @@ def checkpoint_steps(workdir) -> list[int]:
 
 
 def load_checkpoint(workdir, step: int | None = None) -> tuple[dict, dict]:
-    """(state as a dict of arrays, data position) of a checkpoint, without a target."""
-    manager = ocp.CheckpointManager(
-        checkpoint.checkpoint_dir(workdir), item_names=("state", "data")
+    """(state as a dict of arrays, data position) of a checkpoint, onto this process's first
+    device whatever topology wrote it (tests compare runs saved on 1 and on 2 devices)."""
+    step = checkpoint_steps(workdir)[-1] if step is None else step
+    step_dir = os.path.join(checkpoint.checkpoint_dir(workdir), str(step))
+    checkpointer = ocp.StandardCheckpointer()
+    metadata = checkpointer.metadata(os.path.join(step_dir, "state")).item_metadata
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata
     )
-    step = manager.latest_step() if step is None else step
-    restored = manager.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()),
-    )
-    manager.close()
-    return jax.device_get(restored["state"]), restored["data"]
+    state = checkpointer.restore(os.path.join(step_dir, "state"), target)
+    checkpointer.close()
+    with open(os.path.join(step_dir, "data", "metadata")) as f:
+        position = json.load(f)
+    return jax.device_get(state), position
 
 
 def assert_states_close(actual: dict, expected: dict) -> None:
@@ -170,13 +176,14 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, shared_di
     assert_states_close(final, reference_run)
 
 
-def test_sigterm_saves_exits_zero_and_resumes(tmp_path, shared_dirs, reference_run):
+def test_sigterm_saves_exits_preempted_and_resumes(tmp_path, shared_dirs, reference_run):
     workdir = tmp_path / "preempted"
     process = start_launch(workdir, shared_dirs, *RESUME_OVERRIDES)
     wait_for_checkpoint(process, workdir, 2)
     process.send_signal(signal.SIGTERM)
     log, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, log[-5000:]
+    # Not 0: a scheduler must not read a preempted run as finished.
+    assert process.returncode == PREEMPTED_EXIT_CODE, log[-5000:]
     match = re.search(r"Stopped by SIGTERM at step (\d+)", log)
     assert match, log[-5000:]
     stopped = int(match.group(1))
@@ -237,3 +244,29 @@ def test_max_steps_stops_mid_epoch_with_a_checkpoint(tmp_path, shared_dirs, comp
     )
     # Rerunning a finished max_steps run trains nothing more.
     assert train.run(config, str(tmp_path))["step"] == 3
+
+
+def test_init_checkpoint_starts_training_from_weights_and_resume_wins(
+    tmp_path, shared_dirs, compilation_cache, caplog
+):
+    source = tmp_path / "source"
+    trained = train.run(make_config(shared_dirs, **{"debug.max_steps": 2}), str(source))
+    # Another seed: a fresh init would be as far from the source as two random inits are.
+    config = make_config(
+        shared_dirs, seed=1, **{"init.checkpoint": str(source), "debug.max_steps": 1}
+    )
+    workdir = tmp_path / "warm"
+    with caplog.at_level("INFO"):
+        warm = train.run(config, str(workdir))
+    assert "init.checkpoint" in caplog.text and "loaded" in caplog.text
+    # One step away from the source's weights (random inits differ by ~1.4 in this measure).
+    source_kernel = np.asarray(trained["state"].params["trunk"]["conv1"]["kernel"])
+    warm_kernel = np.asarray(warm["state"].params["trunk"]["conv1"]["kernel"])
+    distance = np.linalg.norm(warm_kernel - source_kernel) / np.linalg.norm(source_kernel)
+    assert distance < 0.2, distance
+    # A rerun resumes the workdir's own checkpoint, even with init.checkpoint still set.
+    config.debug.max_steps = 2
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert train.run(config, str(workdir))["step"] == 2
+    assert "Resumed from step 1" in caplog.text

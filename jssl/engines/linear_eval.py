@@ -34,7 +34,7 @@ from absl import logging
 from clu import periodic_actions
 
 from jssl import checkpoint, data, linear, optim, parallel, pooling, summaries
-from jssl.engines import evaluate, train
+from jssl.engines import evaluate
 
 PyTree = Any
 
@@ -46,7 +46,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if not layers:
         raise ValueError("config.linear.layers is empty: name the trunk taps to evaluate.")
     parallel.check_batch_divisible(config.data.batch_size)
-    train.write_config(config, workdir)
     mesh = parallel.make_mesh()
     inputs = _cached_inputs(config) if lcfg.cached_features else _trunk_inputs(config, mesh)
     logging.info(
@@ -142,7 +141,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             scores = test()
             logging.info("Test after epoch %d: %s", epoch + 1, scores)
             writer.write_scalars(step, _test_scalars(scores))
-    manager.wait_until_finished()
+    checkpoint.finish(manager)
     manager.close()
 
     results = test()

@@ -31,9 +31,23 @@ class Method(NamedTuple):
     model: Any
 
 
-def get(config: ml_collections.ConfigDict) -> Method:
-    """Imports ``jssl.methods.<config.method.name>`` and builds its Method."""
+def _module(config: ml_collections.ConfigDict):
     name = config.method.name
     if name not in METHODS:
-        raise ValueError(f"method.name={name!r} is not one of {METHODS}; set --config.method.name.")
-    return importlib.import_module(f"jssl.methods.{name}").make(config)
+        raise ValueError(
+            f"method.name={name!r} is not one of the methods jssl has: {', '.join(METHODS)}. "
+            "Pick one with --config=configs/<method>.py (or --config.method.name)."
+        )
+    return importlib.import_module(f"jssl.methods.{name}")
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """The method's start-up checks (``check_config`` of its module, where it has one)."""
+    module = _module(config)
+    if hasattr(module, "check_config"):
+        module.check_config(config)
+
+
+def get(config: ml_collections.ConfigDict) -> Method:
+    """Imports ``jssl.methods.<config.method.name>`` and builds its Method."""
+    return _module(config).make(config)
