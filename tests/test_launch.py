@@ -131,6 +131,21 @@ def test_launch_writes_config_checkpoints_and_summaries(tmp_path, shared_dirs):
     assert all(0 < v < 100 for v in losses.values()), losses
     assert "ETA" in log
 
+    # Relaunching the finished workdir under a config that changes what is trained is
+    # refused before anything runs, naming the field; config.json keeps the first config.
+    result = run_launch(workdir, shared_dirs, "--config.optim.base_lr=0.5")
+    assert result.returncode != 0
+    assert "optim.base_lr: 0.05 -> 0.5" in result.stderr, result.stderr[-3000:]
+    with open(workdir / "config.json") as f:
+        assert json.load(f)["optim"]["base_lr"] == 0.05
+    # A logging change is safe: allowed, and recorded.
+    result = run_launch(
+        workdir, shared_dirs, "--config.optim.base_lr=0.05", "--config.log_every_steps=1"
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    with open(workdir / "config_changes.json") as f:
+        assert "log_every_steps" in json.dumps(json.load(f))
+
 
 def test_misspelt_override_fails_naming_the_field(tmp_path, shared_dirs):
     result = run_launch(tmp_path / "run", shared_dirs, "--config.optim.base_lrr=1")
