@@ -270,3 +270,25 @@ def test_init_checkpoint_starts_training_from_weights_and_resume_wins(
     with caplog.at_level("INFO"):
         assert train.run(config, str(workdir))["step"] == 2
     assert "Resumed from step 1" in caplog.text
+
+
+def test_skip_corrupt_counts_replaced_examples_per_epoch(tmp_path, shared_dirs, compilation_cache):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(4):
+        os.makedirs(tmp_path / "data" / "train" / f"class{c}")
+        for i in range(16):
+            pixels = rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "data" / "train" / f"class{c}" / f"{i}.png")
+    for name in ("class1/3.png", "class2/7.png"):
+        (tmp_path / "data" / "train" / name).write_bytes(b"not a png")
+    config = make_config(
+        shared_dirs,
+        num_epochs=1,
+        **{"data.source": "folder", "data.skip_corrupt": True, "data.cache": False},
+    )
+    config.data.data_dir = str(tmp_path / "data")
+    assert train.run(config, str(tmp_path / "run"))["step"] == 4
+    skipped = scalar_values(tmp_path / "run" / "tensorboard", "data/skipped_examples")
+    assert skipped == {4: 2.0}
