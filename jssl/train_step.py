@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jssl import probe as online_probe
 from jssl.methods import Method
+from jssl.methods.common import mean_over_devices
 from jssl.parallel import DATA_AXIS
 from jssl.train_state import TrainState
 
@@ -39,7 +40,7 @@ def make_train_step(
     """Builds the jitted, state-donating train step over ``mesh``.
 
     With ``probe_config`` (the run's config, probe enabled) the online linear probe is
-    trained in the same step on the method's stop-gradient ``updates["features"]``.
+    trained in the same step on the method's stop-gradient ``LossOutput.features``.
 
     The step is called as ``step(state, batch)`` or ``step(state, batch, stop)``, where
     ``stop`` is :func:`stop_flags` of this process's SIGTERM flag: the step returns
@@ -52,11 +53,11 @@ def make_train_step(
         # get it for free; per-replica randomness folds in jax.lax.axis_index(DATA_AXIS).
         rng = jax.random.fold_in(state.rng, state.step)
         grad_fn = jax.value_and_grad(method.loss, has_aux=True)
-        (loss, (metrics, updates)), grads = grad_fn(state.params, state, batch, rng)
+        (loss, out), grads = grad_fn(state.params, state, batch, rng)
         # Equal local batches, so the mean of per-replica means is the global mean.
         grads = jax.lax.pmean(grads, DATA_AXIS)
         loss = jax.lax.pmean(loss, DATA_AXIS)
-        metrics = jax.lax.pmean(metrics, DATA_AXIS)
+        metrics = jax.lax.pmean(out.metrics, DATA_AXIS)
 
         param_updates, opt_state = tx.update(grads, state.opt_state, state.params)
         new_state = state.replace(
@@ -64,11 +65,16 @@ def make_train_step(
             params=optax.apply_updates(state.params, param_updates),
             opt_state=opt_state,
         )
-        new_state = method.after_update(new_state, updates)
+        if out.batch_stats is not None:
+            # Per-device statistics (sync_bn=False) differ; their mean keeps the replicated
+            # state consistent (with sync_bn they are equal and this is a no-op).
+            new_state = new_state.replace(batch_stats=mean_over_devices(out.batch_stats))
+        if method.after_update is not None:
+            new_state = method.after_update(new_state, out.carry)
         finite = jnp.isfinite(loss) & _all_finite(grads)
         if probe_config is not None and state.probe:
             new_probe, probe_metrics = online_probe.update(
-                probe_config, state.probe, updates["features"], batch["label"], DATA_AXIS
+                probe_config, state.probe, out.features, batch["label"], DATA_AXIS
             )
             new_state = new_state.replace(probe=new_probe)
             metrics = dict(metrics, **probe_metrics)
@@ -141,10 +147,13 @@ def make_eval_step(
         image = batch["image"]
         mask = batch["mask"].astype(jnp.float32)
         method_batch = dict(batch, views=(image,) * num_views)
-        loss, (metrics, updates) = method.loss(
-            state.params, state, method_batch, state.rng, train=False
-        )
-        outputs = {k: updates[k].astype(jnp.float32) for k in per_example_keys if k in updates}
+        loss, out = method.loss(state.params, state, method_batch, state.rng, train=False)
+        metrics = out.metrics
+        outputs = {
+            k: getattr(out, k).astype(jnp.float32)
+            for k in per_example_keys
+            if getattr(out, k) is not None
+        }
         if taps:
             variables = {"params": state.params, "batch_stats": state.batch_stats}
             tapped = method.model.apply(variables, image, train=False)
@@ -157,8 +166,8 @@ def make_eval_step(
         # A local batch with padding rows has batch means polluted by them: weight 0.
         full = jnp.where(count == mask.shape[0], count, 0.0)
         totals = {name: (value * full, full) for name, value in metrics.items()}
-        if "per_example_loss" in updates:
-            per_example_loss = updates["per_example_loss"].astype(jnp.float32)
+        if out.per_example_loss is not None:
+            per_example_loss = out.per_example_loss.astype(jnp.float32)
             totals["loss"] = (jnp.sum(per_example_loss * mask), count)
         else:
             totals["loss"] = (loss * full, full)

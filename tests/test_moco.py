@@ -46,11 +46,7 @@ def test_queue_round_robin_and_ema(setup):
     params = jax.tree.map(lambda x: x + 1.0, state.params)  # pretend the optimizer moved them
     state = state.replace(params=params)
     keys = jnp.ones((4, dim)) / np.sqrt(dim)
-    updates = {
-        "batch_stats": state.batch_stats,
-        "ema_batch_stats": state.ema_batch_stats,
-        "keys": keys,
-    }
+    updates = {"ema_batch_stats": state.ema_batch_stats, "keys": keys}
     old_ema = state.ema_params
     new = _after_update(method, mesh, state, updates)
     np.testing.assert_allclose(new.method_state["queue"][:4], keys, rtol=1e-6)
@@ -118,3 +114,10 @@ def test_bfloat16_step_keeps_float32_state_and_loss():
     floats = {x.dtype for x in jax.tree.leaves(kept) if jnp.issubdtype(x.dtype, jnp.floating)}
     assert floats == {jnp.dtype(jnp.float32)}
     assert int(new.step) == 1 and int(new.nonfinite_step) == -1
+
+
+def test_cosine_momentum_schedule():
+    from jssl.methods import common
+
+    values = [float(common.cosine_momentum(s, 100, 0.996)) for s in (0, 50, 100, 200)]
+    np.testing.assert_allclose(values, [0.996, 0.998, 1.0, 1.0], rtol=1e-6)

@@ -27,7 +27,7 @@ from absl import logging
 from jssl import data, knn, knn_sharded, parallel, probe, summaries
 from jssl.train_step import make_eval_step
 
-# kNN layers the method already returns per example (Method.loss ``updates``), under these names.
+# kNN layers the method already returns per example (its LossOutput fields), under these names.
 _METHOD_OUTPUTS = {"avgpool": "features", "head": "embeddings"}
 
 

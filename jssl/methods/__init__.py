@@ -3,6 +3,13 @@
 A Method bundles pure functions that the one generic train step calls (DESIGN.md, "The method
 interface"). ``loss`` and ``after_update`` run per replica inside ``jax.shard_map`` over the
 ``data`` axis, so they may use named collectives (``jax.lax.all_gather(x, "data")``).
+
+The contract, typed: ``loss(params, state, batch, rng, train) -> (loss, LossOutput)``.
+``LossOutput`` names what the rest of jssl reads (the generic step, the online probe, the
+test phase); ``carry`` is the method's own, handed to ``after_update`` and nothing else.
+What every method would otherwise repeat lives in ``jssl.methods.common``: applying the
+model in train or eval mode, averaging batch-norm statistics over devices, EMA updates with
+a momentum schedule. Adding a method touches its module, its config and ``METHODS`` below.
 """
 
 from __future__ import annotations
@@ -11,22 +18,44 @@ import importlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import ml_collections
 
 METHODS = ("moco",)
+
+
+class LossOutput(NamedTuple):
+    """What a method's ``loss`` returns besides the scalar loss.
+
+    metrics: batch-mean scalars to log (averaged over devices by the step).
+    batch_stats: the online model's new batch-norm statistics (train mode); the step averages
+      them over devices and stores them, so no method has to. None: unchanged.
+    carry: what ``after_update`` needs (keys to enqueue, teacher BN statistics, ...).
+    features: stop-gradient trunk features (avgpool) of the first view, one row per local
+      example: the online probe's input and the test phase's ``features``.
+    embeddings: the head's output for the first view (the test phase's ``embeddings``).
+    per_example_loss: the loss of each local example, so the test phase averages over real
+      rows only.
+    """
+
+    metrics: dict[str, jax.Array]
+    batch_stats: Any = None
+    carry: Any = None
+    features: jax.Array | None = None
+    embeddings: jax.Array | None = None
+    per_example_loss: jax.Array | None = None
 
 
 class Method(NamedTuple):
     # (rng, sample_images) -> TrainState fields: dict(params, batch_stats, ema_params,
     # ema_batch_stats, method_state); the optimizer state is added by the caller.
     init: Callable[..., dict[str, Any]]
-    # (params, state, batch, rng, train) -> (loss, (metrics, updates)); differentiated w.r.t.
-    # params. ``updates`` carries what after_update needs (new BN statistics, keys, ...) and,
-    # for the generic step and monitors, "features" (stop-gradient trunk avgpool of the first
-    # view: the online probe's input), "embeddings" (head output) and "per_example_loss".
-    loss: Callable[..., Any]
-    # (state, updates) -> state, after the optimizer step: EMA teacher, queues, BN statistics.
-    after_update: Callable[..., Any]
+    # (params, state, batch, rng, train) -> (loss, LossOutput); differentiated w.r.t. params.
+    # train=False is evaluation mode (running BN statistics; nothing to update).
+    loss: Callable[..., tuple[jax.Array, LossOutput]]
+    # (state, carry) -> state, after the optimizer step and the BN-statistics update: EMA
+    # teacher, queues, prototype normalisation. None: nothing to do.
+    after_update: Callable[..., Any] | None
     # The flax module whose taps the evaluation reads (online trunk + heads).
     model: Any
 

@@ -10,8 +10,9 @@ MoCo's update at the start of step t+1 (both are m * key + (1 - m) * query_after
 Deliberate differences from VISSL:
 - The initial queue is random unit vectors as in VISSL, drawn from jax.random.
 - Per-device batch-norm running statistics (sync_bn=False) are averaged over devices after
-  each step, so the replicated state stays consistent; PyTorch DDP instead broadcasts
-  rank 0's buffers. Training-mode normalisation still uses per-device batches.
+  each step (jssl.methods.common.mean_over_devices), so the replicated state stays
+  consistent; PyTorch DDP instead broadcasts rank 0's buffers. Training-mode normalisation
+  still uses per-device batches.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import optax
 
 from jssl import losses, models
-from jssl.methods import Method
+from jssl.methods import LossOutput, Method, common
 from jssl.parallel import DATA_AXIS
 
 
@@ -51,53 +51,47 @@ def make(config: ml_collections.ConfigDict) -> Method:
         )
 
     def key_embeddings(state, images, rng, train):
-        variables = {"params": state.ema_params, "batch_stats": state.ema_batch_stats}
-        if not train:
-            return model.apply(variables, images, train=False)["head"], state.ema_batch_stats
-        if shuffle_bn:
+        if train and shuffle_bn:
             images, unshuffle = _shuffle_across_devices(images, rng)
-        out, mutated = model.apply(variables, images, train=True, mutable=["batch_stats"])
+        out, ema_batch_stats = common.apply_model(
+            model, state.ema_params, state.ema_batch_stats, images, train
+        )
         keys = out["head"]
-        if shuffle_bn:
+        if train and shuffle_bn:
             keys = unshuffle(keys)
-        return keys, mutated["batch_stats"]
+        return keys, ema_batch_stats
 
     def loss(params, state, batch, rng, train: bool = True):
         view_q, view_k = batch["views"][0], batch["views"][1]
-        variables = {"params": params, "batch_stats": state.batch_stats}
-        if train:
-            out, mutated = model.apply(variables, view_q, train=True, mutable=["batch_stats"])
-            batch_stats = mutated["batch_stats"]
-        else:
-            out, batch_stats = model.apply(variables, view_q, train=False), state.batch_stats
+        out, batch_stats = common.apply_model(model, params, state.batch_stats, view_q, train)
         keys, ema_batch_stats = key_embeddings(state, view_k, rng, train)
         keys = jax.lax.stop_gradient(losses.l2_normalize(keys.astype(jnp.float32)))
         value, metrics, per_example = losses.info_nce_with_queue(
             out["head"], keys, state.method_state["queue"], mcfg.temperature
         )
-        updates = {
-            "batch_stats": batch_stats,
+        carry = {
             "ema_batch_stats": ema_batch_stats,
             # The queue is shared, so every replica enqueues the keys of the global batch.
             "keys": jax.lax.all_gather(keys, DATA_AXIS, tiled=True),
-            # For the online probe and per-example evaluation outputs (not differentiated).
-            "features": out["avgpool"],
-            "embeddings": out["head"],
-            "per_example_loss": per_example,
         }
-        return value, (metrics, updates)
+        return value, LossOutput(
+            metrics=metrics,
+            batch_stats=batch_stats,
+            carry=carry,
+            features=out["avgpool"],
+            embeddings=out["head"],
+            per_example_loss=per_example,
+        )
 
-    def after_update(state, updates):
+    def after_update(state, carry):
         queue, ptr = state.method_state["queue"], state.method_state["queue_ptr"]
-        keys = updates["keys"]
+        keys = carry["keys"]
         # queue_size % global batch == 0 is checked at start-up, so a write never wraps.
         queue = jax.lax.dynamic_update_slice(queue, keys.astype(queue.dtype), (ptr, 0))
         ptr = (ptr + keys.shape[0]) % queue.shape[0]
-        ema_params = optax.incremental_update(state.params, state.ema_params, 1.0 - mcfg.momentum)
         return state.replace(
-            batch_stats=_mean_over_devices(updates["batch_stats"]),
-            ema_params=ema_params,
-            ema_batch_stats=_mean_over_devices(updates["ema_batch_stats"]),
+            ema_params=common.ema(state.params, state.ema_params, mcfg.momentum),
+            ema_batch_stats=common.mean_over_devices(carry["ema_batch_stats"]),
             method_state={"queue": queue, "queue_ptr": ptr},
         )
 
@@ -113,10 +107,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "(MoCo enqueues whole global batches); change either with --config.method.queue_size "
             "or --config.data.batch_size."
         )
-
-
-def _mean_over_devices(tree):
-    return jax.tree.map(lambda x: jax.lax.pmean(x, DATA_AXIS), tree)
 
 
 def _shuffle_across_devices(images: jax.Array, rng: jax.Array):
