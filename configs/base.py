@@ -59,9 +59,10 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     c.optim = ml_collections.ConfigDict()
     o = c.optim
-    o.name = "sgd"  # "sgd" | "lars" | "adamw"
+    o.name = "sgd"  # "sgd" | "larc" (SGD + apex LARC: VISSL use_larc) | "lars" | "adamw"
     o.base_lr = 0.1
-    o.base_lr_batch_size = 256  # lr = base_lr * batch_size / this; <=0 disables scaling
+    o.base_lr_batch_size = 256  # peak lr = base_lr * batch_size / this (see lr_scaling); <=0: off
+    o.lr_scaling = "linear"  # "linear" | "sqrt" (of batch/base_lr_batch_size): VISSL scaling_type
     o.momentum = 0.9
     o.nesterov = False
     o.weight_decay = 1e-4
@@ -70,11 +71,26 @@ def get_base_config() -> ml_collections.ConfigDict:
     o.schedule = "cosine"  # "multistep" | "cosine" | "constant"
     o.milestones = (30, 60)  # epochs, for multistep
     o.gamma = 0.1
-    o.final_lr_fraction = 0.0  # cosine ends at base * this
-    o.warmup_epochs = 0.0
-    o.warmup_start_lr = 0.0
+    o.final_lr_fraction = 0.0  # cosine ends at peak * this (VISSL: end_value / start_value)
+    o.warmup_epochs = 0.0  # linear warmup to the peak (VISSL composite: lengths[0] * num_epochs)
+    o.warmup_start_lr = 0.0  # where the warmup starts, unless warmup_start_nodes > 0
+    # >0: VISSL auto-scaling's warmup start, base_lr * (batch_size / this) / base_lr_batch_size,
+    # i.e. the base rate scaled linearly to one node's batch (8 in VISSL's 8-node recipes: 0.6 at
+    # batch 4096). 1: VISSL drops a warmup that would not climb. A field, not the machine count.
+    o.warmup_start_nodes = 0
+    # How the cosine after the warmup reads the progress (VISSL interval_scaling of its 2nd part):
+    # "rescaled" starts it from the peak when the warmup ends; "fixed" runs it on the global
+    # progress, so the rate drops at the end of the warmup (VISSL's SimCLR/SwAV recipes).
+    # Multistep milestones always count from the start of training.
+    o.interval_scaling = "rescaled"
     o.update_interval = "step"  # "step" | "epoch" (VISSL param_schedulers update_interval)
-    o.lars_eta = 0.001
+    o.lars_eta = 0.001  # lars/larc trust coefficient (VISSL eta / larc_config.trust_coefficient)
+    o.larc_clip = False  # larc: step min(ratio, lr) instead of ratio * lr (larc_config.clip)
+    o.larc_eps = 1e-8  # larc: added to the trust ratio's denominator (larc_config.eps)
+    # lars/larc: parameters whose step skips the trust ratio (still weight-decayed): "no_decay"
+    # (those weight decay skips), "bias_and_norm" (1-D: VISSL LARS exclude_bias_and_norm), "none"
+    # (every parameter: apex LARC, VISSL LARS default).
+    o.trust_ratio_exclude = "no_decay"
     o.betas = (0.9, 0.999)
     o.grad_clip_norm = 0.0
 

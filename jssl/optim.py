@@ -1,14 +1,22 @@
-"""Optimizers, learning-rate schedules and weight-decay masks, all from optax.
+"""Optimizers and their weight-decay and trust-ratio masks, built from optax.
 
-VISSL's optimizer block (sgd / lars / adamw, ``regularize_bn``, ``regularize_bias``,
-``param_schedulers.lr`` with ``update_interval: epoch | step`` and ``auto_lr_scaling``) maps
-onto ``config.optim`` here.
+VISSL's optimizer block maps onto ``config.optim``:
+
+- ``sgd`` / ``adamw``: PyTorch's SGD (coupled weight decay, momentum on the raw step) and
+  AdamW (decoupled decay).
+- ``larc``: VISSL's ``sgd`` with ``use_larc: True``, i.e. apex's LARC wrapped around SGD
+  (``apex/parallel/LARC.py``, ``vissl/optimizers/larc_fsdp.py``); see :func:`scale_by_larc`.
+- ``lars``: VISSL's ``lars`` (``vissl/optimizers/lars.py``, from Barlow Twins): the trust ratio
+  of the decayed gradient, momentum on the scaled step, the learning rate last.
+- ``regularize_bn`` / ``regularize_bias`` become a weight-decay mask; ``exclude_bias_and_norm``
+  and friends a trust-ratio mask (``trust_ratio_exclude``).
+- ``param_schedulers.lr`` is :mod:`jssl.schedules`; its API is re-exported here
+  (``optim.build_schedule``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,66 +24,28 @@ import ml_collections
 import optax
 from flax import traverse_util
 
-Schedule = Callable[[jax.Array], jax.Array]
+from jssl.schedules import (  # noqa: F401  (the schedule API, re-exported)
+    SCHEDULES,
+    Schedule,
+    build_schedule,
+    peak_learning_rate,
+    warmup_start_learning_rate,
+)
 
-OPTIMIZERS = ("sgd", "lars", "adamw")
-SCHEDULES = ("multistep", "cosine", "constant")
+OPTIMIZERS = ("sgd", "larc", "lars", "adamw")
+TRUST_RATIO_EXCLUDES = ("no_decay", "bias_and_norm", "none")
+
+# Fields added for LARC, with the values that keep the older behaviour, so that a config
+# saved before they existed (a workdir's) still builds.
+_DEFAULTS = {"larc_clip": False, "larc_eps": 1e-8, "trust_ratio_exclude": "no_decay"}
 
 
-def peak_learning_rate(optim_config: ml_collections.ConfigDict, global_batch: int) -> float:
-    """VISSL's auto_lr_scaling: base_lr * batch / base_lr_batch_size (linear scaling rule,
-    Goyal et al. 2017). ``base_lr_batch_size <= 0`` turns scaling off."""
-    ref = optim_config.base_lr_batch_size
-    if ref and ref > 0:
-        return optim_config.base_lr * global_batch / ref
-    return optim_config.base_lr
+def _get(optim_config: ml_collections.ConfigDict, name: str) -> Any:
+    return optim_config.get(name, _DEFAULTS[name])
 
 
-def build_schedule(
-    optim_config: ml_collections.ConfigDict,
-    *,
-    steps_per_epoch: int,
-    num_epochs: int,
-    global_batch: int,
-) -> Schedule:
-    """The learning rate as a function of the optimizer step.
-
-    Milestones and warmup are given in epochs (as VISSL's configs do); with
-    ``update_interval="epoch"`` the rate changes only at epoch boundaries.
-    """
-    peak = peak_learning_rate(optim_config, global_batch)
-    total = steps_per_epoch * num_epochs
-    warmup = int(round(optim_config.warmup_epochs * steps_per_epoch))
-    name = optim_config.schedule
-    if name == "multistep":
-        boundaries = {int(m * steps_per_epoch): optim_config.gamma for m in optim_config.milestones}
-        main = optax.piecewise_constant_schedule(peak, boundaries)
-    elif name == "cosine":
-        main = optax.cosine_decay_schedule(
-            peak, decay_steps=max(total - warmup, 1), alpha=optim_config.final_lr_fraction
-        )
-    elif name == "constant":
-        main = optax.constant_schedule(peak)
-    else:
-        raise ValueError(
-            f"optim.schedule={name!r} is not one of {SCHEDULES}; set --config.optim.schedule."
-        )
-    schedule = main
-    if warmup > 0:
-        warm = optax.linear_schedule(optim_config.warmup_start_lr, peak, warmup)
-        # Multistep milestones count from the start of training; a decay starts after warmup.
-        after = main if name == "multistep" else (lambda s: main(s - warmup))
-
-        def schedule(step):
-            return jnp.where(step < warmup, warm(step), after(step))
-
-    if optim_config.update_interval == "epoch":
-        return lambda step: schedule((step // steps_per_epoch) * steps_per_epoch)
-    if optim_config.update_interval != "step":
-        raise ValueError(
-            f"optim.update_interval={optim_config.update_interval!r} must be 'step' or 'epoch'."
-        )
-    return schedule
+# --------------------------------------------------------------------------------------------
+# Masks
 
 
 def weight_decay_mask(params: Any, *, regularize_bn: bool, regularize_bias: bool) -> Any:
@@ -94,11 +64,108 @@ def weight_decay_mask(params: Any, *, regularize_bn: bool, regularize_bias: bool
     return traverse_util.unflatten_dict({k: decide(k) for k in flat})
 
 
+def trust_ratio_mask(params: Any, exclude: str, decay_mask: Any) -> Any:
+    """True where LARS/LARC adapt the step by the trust ratio; elsewhere the (decayed)
+    gradient goes to momentum unscaled.
+
+    ``"none"``: every parameter (apex LARC; VISSL LARS ``exclude_bias_and_norm: False``);
+    ``"bias_and_norm"``: all but 1-D parameters, biases and norm scales/offsets (VISSL LARS
+    ``exclude_bias_and_norm: True``); ``"no_decay"``: those weight decay applies to (SimCLR's
+    and BYOL's papers)."""
+    if exclude == "none":
+        return jax.tree.map(lambda _: True, params)
+    if exclude == "bias_and_norm":
+        return jax.tree.map(lambda p: len(getattr(p, "shape", ())) > 1, params)
+    if exclude == "no_decay":
+        return decay_mask
+    raise ValueError(
+        f"optim.trust_ratio_exclude={exclude!r} is not one of {TRUST_RATIO_EXCLUDES}; "
+        "set --config.optim.trust_ratio_exclude."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# LARC
+
+
+class ScaleByLarcState(NamedTuple):
+    count: jax.Array  # optimizer steps taken; the clip mode reads the rate at this step
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32))))
+
+
+def scale_by_larc(
+    learning_rate: float | Schedule,
+    *,
+    trust_coefficient: float = 0.001,
+    clip: bool = False,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any = None,
+    trust_ratio_mask: Any = None,
+) -> optax.GradientTransformation:
+    """apex's LARC step (``apex/parallel/LARC.py``, VISSL's ``larc_fsdp.py``), before momentum.
+
+    For each parameter ``p`` with gradient ``g`` and its weight decay ``wd`` (0 where
+    ``weight_decay_mask`` is False):
+
+        ratio = trust_coefficient * |p| / (|g| + wd * |p| + eps)     # |g| of the RAW gradient
+        ratio = min(ratio / lr, 1)                                   # clip=True only
+        update = (g + wd * p) * ratio
+
+    LARC absorbs the optimizer's weight decay, so the SGD that follows must not decay again.
+    Where ``|p| == 0`` or ``|g| == 0`` apex leaves the gradient as it is: ratio 1 and NO weight
+    decay. Where ``trust_ratio_mask`` is False the update is ``g + wd * p`` (decayed, not
+    adapted: VISSL's ``exclude_bias_and_norm``). ``lr`` is ``learning_rate`` at this step,
+    the rate the SGD that follows applies.
+    """
+
+    def init_fn(params):
+        del params
+        return ScaleByLarcState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(
+                "scale_by_larc needs the params: call tx.update(grads, state, params)."
+            )
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        decay = weight_decay_mask(params) if callable(weight_decay_mask) else weight_decay_mask
+        adapt = trust_ratio_mask(params) if callable(trust_ratio_mask) else trust_ratio_mask
+        decay = jax.tree.map(lambda _: True, params) if decay is None else decay
+        adapt = jax.tree.map(lambda _: True, params) if adapt is None else adapt
+
+        def one(g, p, decayed, adapted):
+            wd = weight_decay * decayed  # a Python bool: 0 where the mask is False
+            with_decay = g + wd * p
+            if not adapted:
+                return with_decay
+            p_norm, g_norm = _norm(p), _norm(g)
+            ratio = trust_coefficient * p_norm / (g_norm + p_norm * wd + eps)
+            if clip:
+                ratio = jnp.minimum(ratio / lr, 1.0)
+            scaled = (with_decay * ratio).astype(g.dtype)
+            return jnp.where((p_norm != 0) & (g_norm != 0), scaled, g)
+
+        new = jax.tree.map(one, updates, params, decay, adapt)
+        return new, ScaleByLarcState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizers
+
+
 def build_optimizer(
     optim_config: ml_collections.ConfigDict, params: Any, schedule: Schedule
 ) -> optax.GradientTransformation:
     """The optax chain for ``optim.name``. Weight decay is coupled (added to the gradient)
-    for SGD and LARS, as in PyTorch's SGD that VISSL wraps, and decoupled for AdamW."""
+    for SGD, LARC and LARS, as in the PyTorch optimizers VISSL wraps, and decoupled for AdamW.
+    Momentum accumulates the step before the learning rate scales it, as PyTorch's does
+    (``buf = m * buf + d; p -= lr * buf``), which matters while the rate changes."""
     mask = weight_decay_mask(
         params,
         regularize_bn=optim_config.regularize_bn,
@@ -106,21 +173,37 @@ def build_optimizer(
     )
     wd = optim_config.weight_decay
     name = optim_config.name
+    momentum = optax.trace(decay=optim_config.momentum, nesterov=optim_config.nesterov)
     if name == "sgd":
         tx = optax.chain(
             optax.add_decayed_weights(wd, mask),
             optax.sgd(schedule, momentum=optim_config.momentum, nesterov=optim_config.nesterov),
         )
+    elif name == "larc":
+        exclude = trust_ratio_mask(params, _get(optim_config, "trust_ratio_exclude"), mask)
+        tx = optax.chain(
+            scale_by_larc(
+                schedule,
+                trust_coefficient=optim_config.lars_eta,
+                clip=_get(optim_config, "larc_clip"),
+                eps=_get(optim_config, "larc_eps"),
+                weight_decay=wd,
+                weight_decay_mask=mask,
+                trust_ratio_mask=exclude,
+            ),
+            momentum,
+            optax.scale_by_learning_rate(schedule),
+        )
     elif name == "lars":
-        # LARS excludes the same parameters from adaptation as from weight decay (SimCLR, BYOL).
-        tx = optax.lars(
-            schedule,
-            weight_decay=wd,
-            weight_decay_mask=mask,
-            trust_coefficient=optim_config.lars_eta,
-            trust_ratio_mask=mask,
-            momentum=optim_config.momentum,
-            nesterov=optim_config.nesterov,
+        # VISSL's _LARS: ratio = eta * |p| / |g + wd * p| (no eps), 1 where a norm is zero.
+        exclude = trust_ratio_mask(params, _get(optim_config, "trust_ratio_exclude"), mask)
+        tx = optax.chain(
+            optax.add_decayed_weights(wd, mask),
+            optax.masked(
+                optax.scale_by_trust_ratio(trust_coefficient=optim_config.lars_eta), exclude
+            ),
+            momentum,
+            optax.scale_by_learning_rate(schedule),
         )
     elif name == "adamw":
         tx = optax.adamw(

@@ -37,7 +37,7 @@ def init_train_state(config: ml_collections.ConfigDict, state: Any) -> Any:
       path prefixes ("head", "trunk/layer4_1", ...) that keep their fresh init regardless.
     - ``ema_params`` / ``ema_batch_stats`` (the momentum encoder, where the method has one):
       the same loaded arrays, as separate buffers, where the paths match.
-    - ``opt_state`` is kept: every optimizer of ``jssl.optim`` (SGD momentum, LARS, AdamW)
+    - ``opt_state`` is kept: every optimizer of ``jssl.optim`` (SGD momentum, LARS, LARC, AdamW)
       initialises to zeros and counters whose shapes depend only on the parameter shapes,
       which loading does not change. Step, rng, method state (queue, ...) and the online
       probe stay fresh.

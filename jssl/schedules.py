@@ -1,0 +1,194 @@
+"""Learning-rate schedules as VISSL computes them (``config.optim``'s schedule fields).
+
+VISSL's ``param_schedulers.lr`` maps onto ``schedule`` (``multistep`` | ``cosine`` |
+``constant``) with an optional linear warmup: its ``composite`` of a ``linear`` warmup and a
+``cosine`` (fvcore ``CompositeParamScheduler``), ``interval_scaling`` of the part after the
+warmup (``[rescaled, fixed]`` in VISSL's SimCLR and SwAV recipes: the cosine runs on the
+global progress, so the rate drops at the end of the warmup), ``update_interval: step | epoch``,
+and ``auto_lr_scaling`` as ``vissl/utils/hydra_config.py`` rewrites the schedule
+(``infer_learning_rate``, ``get_scaled_lr_scheduler``, ``resolve_linear_schedule``):
+
+- the peak is ``base_lr * batch / base_lr_batch_size`` (``lr_scaling="sqrt"``: the square
+  root of that factor); the cosine ends at ``peak * final_lr_fraction`` (VISSL keeps the
+  ratio ``end_value / start_value`` of the YAML);
+- the warmup ends at the peak and, with ``warmup_start_nodes > 0``, starts at the base rate
+  scaled linearly to the batch of one node (VISSL overwrites the YAML's ``start_value``);
+  on one node a warmup that would not climb is dropped.
+
+The rate at optimizer step ``k`` is VISSL's at ``where = k / total_steps``: ClassyVision sets
+the rate from ``task.where`` right before each update and counts the update afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from absl import logging
+
+Schedule = Callable[[jax.Array], jax.Array]
+
+SCHEDULES = ("multistep", "cosine", "constant")
+LR_SCALINGS = ("linear", "sqrt")
+INTERVAL_SCALINGS = ("rescaled", "fixed")
+
+# fvcore/ClassyVision ParamScheduler.WHERE_EPSILON: the composite scheduler moves on to its
+# next part once ``where + WHERE_EPSILON`` passes a boundary.
+WHERE_EPSILON = 1e-6
+
+# Fields added for VISSL's composite schedules, with the values that keep the older
+# behaviour, so that a config saved before they existed (a workdir's) still builds.
+_DEFAULTS = {"lr_scaling": "linear", "warmup_start_nodes": 0, "interval_scaling": "rescaled"}
+
+
+def _get(optim_config: ml_collections.ConfigDict, name: str) -> Any:
+    return optim_config.get(name, _DEFAULTS[name])
+
+
+def _choice(optim_config: ml_collections.ConfigDict, name: str, choices: tuple[str, ...]) -> str:
+    value = _get(optim_config, name)
+    if value not in choices:
+        raise ValueError(
+            f"optim.{name}={value!r} is not one of {choices}; set --config.optim.{name}."
+        )
+    return value
+
+
+def peak_learning_rate(optim_config: ml_collections.ConfigDict, global_batch: int) -> float:
+    """VISSL's auto_lr_scaling: ``base_lr * (batch / base_lr_batch_size)``, the factor under a
+    square root with ``lr_scaling="sqrt"`` (linear rule: Goyal et al. 2017).
+    ``base_lr_batch_size <= 0`` turns scaling off."""
+    ref = optim_config.base_lr_batch_size
+    if not (ref and ref > 0):
+        return optim_config.base_lr
+    factor = global_batch / ref
+    if _choice(optim_config, "lr_scaling", LR_SCALINGS) == "sqrt":
+        factor = math.sqrt(factor)
+    return optim_config.base_lr * factor
+
+
+def warmup_start_learning_rate(optim_config: ml_collections.ConfigDict, global_batch: int) -> float:
+    """Where the linear warmup starts.
+
+    ``warmup_start_lr`` as given, unless auto-scaling is on and ``warmup_start_nodes > 0``:
+    then VISSL's ``resolve_linear_schedule`` overwrites the warmup's start with the base rate
+    scaled LINEARLY (whatever ``lr_scaling`` says) to the batch of ONE node,
+    ``base_lr * (global_batch / nodes) / base_lr_batch_size`` (0.6 for SimCLR's 4096 on 8
+    nodes). The node count is a config field, not the machine's, so that the curve does not
+    depend on the topology a run happens to use.
+    """
+    nodes = _get(optim_config, "warmup_start_nodes")
+    ref = optim_config.base_lr_batch_size
+    if nodes and nodes > 0 and ref and ref > 0:
+        return optim_config.base_lr * (global_batch / nodes) / ref
+    return optim_config.warmup_start_lr
+
+
+def build_schedule(
+    optim_config: ml_collections.ConfigDict,
+    *,
+    steps_per_epoch: int,
+    num_epochs: int,
+    global_batch: int,
+) -> Schedule:
+    """The learning rate as a function of the optimizer step.
+
+    Milestones and warmup are given in epochs (VISSL's ``lengths`` are fractions of the run:
+    ``warmup_epochs = lengths[0] * num_epochs``). The rate at step ``k`` is VISSL's at
+    ``where = k / total_steps`` (ClassyVision steps the schedule before the update); with
+    ``update_interval="epoch"`` it changes only at epoch boundaries.
+    """
+    scaling = _choice(optim_config, "interval_scaling", INTERVAL_SCALINGS)
+    peak = peak_learning_rate(optim_config, global_batch)
+    start = warmup_start_learning_rate(optim_config, global_batch)
+    total = max(steps_per_epoch * num_epochs, 1)
+    warmup_epochs = optim_config.warmup_epochs
+    name = optim_config.schedule
+    nodes = _get(optim_config, "warmup_start_nodes")
+    if warmup_epochs > 0 and nodes == 1 and optim_config.base_lr_batch_size > 0 and start <= peak:
+        # resolve_linear_schedule on one node: a warmup that would not climb is dropped and
+        # the main schedule alone covers the whole run.
+        logging.info("optim: warmup from %g to %g does not climb on one node; dropped", start, peak)
+        warmup_epochs = 0.0
+    if name == "cosine":
+        fraction = warmup_epochs / max(num_epochs, 1)
+        schedule = _vissl_cosine(optim_config, scaling, peak, start, fraction, total)
+    elif name in ("multistep", "constant"):
+        schedule = _warmup_then(optim_config, peak, start, warmup_epochs, steps_per_epoch)
+    else:
+        raise ValueError(
+            f"optim.schedule={name!r} is not one of {SCHEDULES}; set --config.optim.schedule."
+        )
+    if optim_config.update_interval == "epoch":
+        return lambda step: schedule((step // steps_per_epoch) * steps_per_epoch)
+    if optim_config.update_interval != "step":
+        raise ValueError(
+            f"optim.update_interval={optim_config.update_interval!r} must be 'step' or 'epoch'."
+        )
+    return schedule
+
+
+def _vissl_cosine(
+    optim_config: ml_collections.ConfigDict,
+    scaling: str,
+    peak: float,
+    start: float,
+    warmup_fraction: float,
+    total: int,
+) -> Schedule:
+    """fvcore's CompositeParamScheduler of LinearParamScheduler(start, peak) over
+    ``warmup_fraction`` of the run (rescaled) and CosineParamScheduler(peak, end) over the
+    rest; with ``interval_scaling="fixed"`` the cosine reads the global progress, so the rate
+    drops at the end of the warmup instead of starting over from the peak."""
+    if not 0.0 <= warmup_fraction < 1.0:
+        raise ValueError(
+            f"optim.warmup_epochs={optim_config.warmup_epochs} leaves no epoch for the cosine; "
+            "set it below num_epochs."
+        )
+    end = peak * optim_config.final_lr_fraction  # VISSL: scaled_lr * end_value / start_value
+    # The warmup holds while where + WHERE_EPSILON <= fraction, i.e. up to this step; the
+    # bound is computed in float64 here rather than compared in float32 inside the step.
+    last_warmup_step = (warmup_fraction - WHERE_EPSILON) * total if warmup_fraction > 0 else -1.0
+
+    def schedule(step):
+        where = jnp.clip(jnp.asarray(step, jnp.float32) / total, 0.0, 1.0)
+        if scaling == "fixed":
+            cosine_where = where
+        else:
+            cosine_where = (where - warmup_fraction) / (1.0 - warmup_fraction)
+        # fvcore: end + 0.5 * (peak - end) * (1 + cos(pi * w)); 1 + cos(x) = 2 cos(x / 2)^2
+        # keeps float32 accurate near the end of the run, where 1 + cos(x) cancels.
+        cosine = end + (peak - end) * jnp.square(jnp.cos(0.5 * jnp.pi * cosine_where))
+        if warmup_fraction <= 0:
+            return cosine
+        linear_where = where / warmup_fraction
+        linear = peak * linear_where + start * (1.0 - linear_where)
+        return jnp.where(step <= last_warmup_step, linear, cosine)
+
+    return schedule
+
+
+def _warmup_then(
+    optim_config: ml_collections.ConfigDict,
+    peak: float,
+    start: float,
+    warmup_epochs: float,
+    steps_per_epoch: int,
+) -> Schedule:
+    """A multistep or constant rate after an optional linear warmup. ``interval_scaling``
+    does not apply: multistep milestones always count from the start of training."""
+    if optim_config.schedule == "multistep":
+        boundaries = {int(m * steps_per_epoch): optim_config.gamma for m in optim_config.milestones}
+        main = optax.piecewise_constant_schedule(peak, boundaries)
+    else:
+        main = optax.constant_schedule(peak)
+    warmup = int(round(warmup_epochs * steps_per_epoch))
+    if warmup <= 0:
+        return main
+    warm = optax.linear_schedule(start, peak, warmup)
+    return lambda step: jnp.where(step < warmup, warm(step), main(step))
