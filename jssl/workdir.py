@@ -247,7 +247,13 @@ def _record_config(
     if not differing:
         return []
     lines = [_change_line(f, effective.get(f, _ABSENT), new.get(f, _ABSENT)) for f in differing]
-    unsafe = [line for f, line in zip(differing, lines, strict=True) if not is_safe(f)]
+    # A field only one side has comes from another jssl version (a field added with a default
+    # that keeps the old behaviour, or one removed): recorded, never refused.
+    unsafe = [
+        line
+        for f, line in zip(differing, lines, strict=True)
+        if not is_safe(f) and f in effective and f in new
+    ]
     kind = "resume" if resuming else "restart (no checkpoint yet)"
     if unsafe and not force:
         raise ConfigChangedError(

@@ -158,3 +158,16 @@ def test_safe_fields():
         assert workdir_lib.is_safe(field), field
     for field in ("num_epochs", "seed", "data.batch_size", "model.trunk", "method.name"):
         assert not workdir_lib.is_safe(field), field
+
+
+def test_fields_of_another_jssl_version_are_recorded_not_refused(tmp_path):
+    # A workdir written before optim.lr_scaling existed, and with a field since removed.
+    old = json.loads(_config().to_json_best_effort())
+    del old["optim"]["lr_scaling"]
+    old["optim"]["retired_field"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    lines = workdir_lib.record_config(_config(), str(tmp_path), resuming=True, force=False)
+    assert sorted(lines) == [
+        'optim.lr_scaling: <absent> -> "linear"',
+        "optim.retired_field: 1 -> <absent>",
+    ]
