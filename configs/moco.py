@@ -79,25 +79,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
 def _demo(c: ml_collections.ConfigDict) -> None:
     """Small ResNet-18 on the built-in demo data at 32 px, 2 CPU cores, a few minutes."""
-    c.data.source = "demo"
-    c.data.name = ""
-    c.data.train_split = "train"
-    c.data.test_split = "test"
-    c.data.image_size = 32
-    c.data.batch_size = 128
-    c.data.cache = True
-    c.data.augment.crop_scale = (0.2, 1.0)
-    c.data.augment.blur_prob = 0.0  # blur destroys 32 px shapes (SimCLR drops it on CIFAR)
-    # The demo's nuisance is colour: strong distortion (SimCLR's s=1, Chen et al. 2020 Sec. 3)
-    # and frequent grayscale keep the method from matching views by colour.
-    c.data.augment.color_strength = 1.0
-    c.data.augment.grayscale_prob = 0.5
-    # Zero-init residuals make each block start as the identity; on a tiny net and a
-    # few hundred steps that delay costs the whole run (measured: no learning in 6 epochs).
-    c.model.zero_init_residual = False
-    c.model.trunk = "resnet18"
-    c.model.width_multiplier = 0.25
-    c.model.cifar_stem = True
+    base.demo_data_and_model(c)
     c.model.head_dims = (128, 128, 64)
     # MoCo v3's projector (Chen, Xie, He 2021, "An Empirical Study of Training Self-Supervised
     # Vision Transformers", Sec. 2): BN after the hidden layer and an affine-free BN on the output.
@@ -120,26 +102,9 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.optim.schedule = "cosine"
     c.optim.update_interval = "step"
     c.optim.weight_decay = 5e-4
-    c.log_every_steps = 20
-    c.checkpoint.every_steps = 0
-    c.test_every_epochs = 0
-    c.probe.num_classes = 10
-    c.probe.learning_rate = 1e-2  # a few hundred steps: a zero-init probe needs larger steps
-    c.knn.enabled = True
-    c.knn.k = 20
-    c.knn.temperature = 0.07
-    c.knn.batch_size = 500
 
 
 def _tiny(c: ml_collections.ConfigDict) -> None:
     """Seconds-long runs for the test suite."""
-    c.data.image_size = 16
-    c.data.batch_size = 16
-    c.data.train_subset = 64
-    c.model.width_multiplier = 0.125
-    c.model.head_dims = (64, 32, 16)
+    base.tiny(c)
     c.method.queue_size = 64
-    c.num_epochs = 2
-    c.log_every_steps = 2
-    c.knn.enabled = False
-    c.knn.batch_size = 100

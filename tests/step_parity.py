@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--sync_bn", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--method", default="moco", choices=("moco", "simclr"))
     args = p.parse_args()
 
     from jssl import parallel
@@ -32,12 +33,12 @@ def main() -> None:
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
-    from configs import moco
+    from configs import moco, simclr
     from jssl import methods
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step
 
-    config = moco.get_config("test")
+    config = {"moco": moco, "simclr": simclr}[args.method].get_config("test")
     config.model.sync_bn = bool(args.sync_bn)
     # MoCo v2's head, T and lr, not the demo's BN projector: its output BN makes the trunk's
     # gradient a sum of nearly cancelling per-example terms on these noise images, so float32
@@ -45,9 +46,12 @@ def main() -> None:
     config.model.head_bn = False
     config.model.head_last_bn = False
     config.method.temperature = 0.1
+    config.optim.name = "sgd"
     config.optim.base_lr = 0.06
+    config.optim.warmup_epochs = 0
     config.data.batch_size = 16
-    config.method.queue_size = 32  # two batches: the second step sees enqueued keys
+    if args.method == "moco":
+        config.method.queue_size = 32  # two batches: the second step sees enqueued keys
     mesh = parallel.make_mesh()
     method = methods.get(config)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
@@ -68,16 +72,18 @@ def main() -> None:
         state, metrics = step(state, parallel.host_batch_to_global(local, mesh))
         losses.append(float(parallel.global_to_host(metrics)["loss"]))
     host = parallel.global_to_host(
-        {"params": state.params, "ema": state.ema_params, "queue": state.method_state["queue"]}
+        {"params": state.params, "ema": state.ema_params, "method_state": state.method_state}
     )
     if jax.process_index() == 0:
+        extra = {}
+        if args.method == "moco":
+            extra = dict(ema=ravel_pytree(host["ema"])[0], queue=host["method_state"]["queue"])
         np.savez(
             args.out,
             loss=np.array(losses),
             params=ravel_pytree(host["params"])[0],
-            ema=ravel_pytree(host["ema"])[0],
-            queue=host["queue"],
             devices=jax.device_count(),
+            **extra,
         )
 
 

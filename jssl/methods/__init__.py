@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-METHODS = ("moco",)
+METHODS = ("moco", "simclr")
 
 
 class LossOutput(NamedTuple):

@@ -1,0 +1,97 @@
+r"""SimCLR pre-training (Chen et al. 2020), following VISSL's
+configs/config/pretrain/simclr/simclr_8node_resnet.yaml.
+
+  python launch.py --config=configs/simclr.py --workdir=runs/simclr \
+      --config.data.source=tfds --config.data.name=imagenet2012      # ImageNet, 100 epochs
+  python launch.py --config=configs/simclr.py:demo --workdir=runs/simclr_demo   # CPU, minutes
+
+Presets: "" / "imagenet" (the reference recipe), "demo" (small ResNet-18 on the built-in demo
+data at 32 px; prints the kNN accuracy of learned vs random features), "test" (tiny).
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    c = base.get_base_config()
+    c.method.name = "simclr"
+    c.method.temperature = 0.1  # SIMCLR_INFO_NCE_LOSS.TEMPERATURE
+
+    # TRUNK resnet DEPTH 50; HEAD mlp [2048, 2048] + relu, mlp [2048, 128] (VISSL's mlp has no
+    # BN unless use_bn); CONVERT_BN_TO_SYNC_BN True.
+    c.model.trunk = "resnet50"
+    c.model.head_dims = (2048, 2048, 128)
+    c.model.head_bn = False
+    c.model.sync_bn = True
+
+    # BATCHSIZE_PER_REPLICA 64 x 8 nodes x 8 GPUs; RandomResizedCrop 224, flip 0.5,
+    # ImgPilColorDistortion strength 1.0, ImgPilGaussianBlur p 0.5 radius 0.1-2.0.
+    c.data.source = "tfds"
+    c.data.name = "imagenet2012"
+    c.data.test_split = "validation"
+    c.data.batch_size = 4096
+    c.data.image_size = 224
+    c.data.augment.crop_scale = (0.08, 1.0)
+    c.data.augment.color_strength = 1.0
+    c.data.augment.blur_prob = 0.5
+    c.data.augment.blur_sigma = (0.1, 2.0)
+
+    # OPTIMIZER sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8), weight_decay
+    # 1e-6, momentum 0.9, nesterov False, regularize_bn/bias True, num_epochs 100. lr: composite
+    # of linear 0.6 -> 4.8 over lengths[0] = 0.1 of the run, then cosine 4.8 -> 0 with
+    # interval_scaling [rescaled, fixed]; auto_lr_scaling base_value 0.3 per 256 (4.8 at 4096;
+    # the warmup start 0.6 is the base rate scaled to one node's 512).
+    c.num_epochs = 100
+    o = c.optim
+    o.name = "larc"
+    o.larc_clip = False
+    o.lars_eta = 0.001
+    o.larc_eps = 1e-8
+    o.trust_ratio_exclude = "none"
+    o.weight_decay = 1e-6
+    o.momentum = 0.9
+    o.nesterov = False
+    o.regularize_bn = True
+    o.regularize_bias = True
+    o.base_lr = 0.3
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.schedule = "cosine"
+    o.warmup_epochs = 10
+    o.warmup_start_nodes = 8
+    o.interval_scaling = "fixed"
+    o.final_lr_fraction = 0.0
+    o.update_interval = "step"
+    c.checkpoint.every_steps = 1560  # VISSL CHECKPOINT_FREQUENCY 5 epochs at 312 steps/epoch
+    c.log_every_steps = 10  # LOG_FREQUENCY
+    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
+
+    if preset in ("", "imagenet"):
+        pass
+    elif preset in ("demo", "test"):
+        _demo(c)
+        if preset == "test":
+            base.tiny(c)
+    else:
+        raise ValueError(
+            f"Unknown preset {preset!r} of configs/simclr.py: use '', 'imagenet', 'demo' or 'test'."
+        )
+    return c
+
+
+def _demo(c: ml_collections.ConfigDict) -> None:
+    """The demo data and network every method's demo uses, SimCLR's loss and optimizer."""
+    base.demo_data_and_model(c)
+    c.num_epochs = 6
+    c.model.head_dims = (128, 128, 64)
+    c.model.sync_bn = True
+    o = c.optim
+    o.base_lr = 0.3  # 0.15 at batch 128 (SimCLR's 0.3 x batch / 256)
+    o.warmup_epochs = 1
+    o.warmup_start_nodes = 0
+    o.warmup_start_lr = 0.0
+    o.interval_scaling = "rescaled"
+    o.weight_decay = 5e-4  # a few hundred steps on 8000 images: the demo's MoCo value
+    c.method.temperature = 0.2
