@@ -1,7 +1,8 @@
-r"""Images/s, compile time and peak memory of the MoCo train step, per model and dtype.
+r"""Images/s, compile time and peak memory of the train step, per method, model and dtype.
 
   python benchmarks/train_step.py                         # all cases on the present devices
   python benchmarks/train_step.py --cases=r18_32 --steps=5
+  python benchmarks/train_step.py --methods=moco,simclr --cases=r18_32 --dtypes=float32
   python benchmarks/train_step.py --compare_cpu_flags     # jssl's CPU XLA flags vs XLA's defaults
 
 Cases: r18_32 = ResNet-18 (CIFAR stem) at 32 px, global batch 256; r50_224 = ResNet-50 at
@@ -24,26 +25,27 @@ CASES = {
 }
 
 
-def run_case(case: str, dtype: str, steps: int) -> dict:
-    """Runs in a child process: builds the MoCo step and times it."""
+def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> dict:
+    """Runs in a child process: builds the method's step and times it."""
     sys.path.insert(0, ROOT)
     import jax
     import numpy as np
 
-    from configs import moco
+    from configs import moco, simclr
     from jssl import methods, parallel
     from jssl.engines.train import init_state, make_optimizer
-    from jssl.train_step import make_train_step
+    from jssl.train_step import make_train_step, stop_flags
 
     spec = CASES[case]
-    config = moco.get_config()
+    config = {"moco": moco, "simclr": simclr}[method_name].get_config()
     config.model.trunk = spec["trunk"]
     config.model.cifar_stem = spec["cifar_stem"]
     config.model.head_dims = (spec["head"], 2048, 128)
     config.model.dtype = dtype
     config.data.image_size = spec["image_size"]
     config.data.batch_size = spec["batch"]
-    config.method.queue_size = 16384
+    if method_name == "moco":
+        config.method.queue_size = 16384
     mesh = parallel.make_mesh()
     method = methods.get(config)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)
@@ -58,14 +60,15 @@ def run_case(case: str, dtype: str, steps: int) -> dict:
         "index": np.arange(batch),
     }
     batch_arrays = parallel.host_batch_to_global(host, mesh)
+    stop = stop_flags(mesh, False)
     t0 = time.perf_counter()
-    compiled = step.lower(state, batch_arrays).compile()
+    compiled = step.lower(state, batch_arrays, stop).compile()
     compile_s = time.perf_counter() - t0
-    state, metrics = compiled(state, batch_arrays)  # warm-up
+    state, metrics = compiled(state, batch_arrays, stop)  # warm-up
     jax.block_until_ready(metrics)
     t0 = time.perf_counter()
     for _ in range(steps):
-        state, metrics = compiled(state, batch_arrays)
+        state, metrics = compiled(state, batch_arrays, stop)
     jax.block_until_ready(metrics)
     elapsed = time.perf_counter() - t0
     device = jax.devices()[0]
@@ -86,19 +89,19 @@ def run_case(case: str, dtype: str, steps: int) -> dict:
     )
 
 
-def spawn(case: str, dtype: str, steps: int, default_flags: bool) -> dict:
+def spawn(case: str, dtype: str, steps: int, default_flags: bool, method: str = "moco") -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     if default_flags:
         env["JSSL_XLA_DEFAULTS"] = "1"
     out = subprocess.run(
-        [sys.executable, __file__, "--_child", case, dtype, str(steps)],
+        [sys.executable, __file__, "--_child", case, dtype, str(steps), method],
         env=env,
         capture_output=True,
         text=True,
         check=False,
     )
     if out.returncode:
-        raise RuntimeError(f"case {case}/{dtype} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"case {method}/{case}/{dtype} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -107,8 +110,9 @@ def main() -> None:
     p.add_argument("--cases", default="r18_32,r50_224")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr")
     p.add_argument("--compare_cpu_flags", action="store_true")
-    p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if args._child:
@@ -117,27 +121,28 @@ def main() -> None:
             from jssl import parallel
 
             parallel.configure_cpu_defaults()
-        case, dtype, steps = args._child
-        print(json.dumps(run_case(case, dtype, int(steps))))
+        case, dtype, steps, method = args._child
+        print(json.dumps(run_case(case, dtype, int(steps), method)))
         return
 
-    header = (
-        f"{'case':<9} {'dtype':<9} {'devices':<8} {'img/s':>8} {'compile s':>9} {'peak GiB':>8}"
-    )
+    header = f"{'method':<7} {'case':<9} {'dtype':<9} {'devices':<8} {'img/s':>8}"
+    header += f" {'compile s':>9} {'peak GiB':>8}"
     if args.compare_cpu_flags:
         header += f" {'img/s XLA defaults':>18} {'speed-up':>8}"
     print(header)
-    for case in args.cases.split(","):
-        for dtype in args.dtypes.split(","):
-            r = spawn(case, dtype, args.steps, default_flags=False)
-            line = (
-                f"{case:<9} {dtype:<9} {r['devices']:<8} {r['images_per_s']:8.1f} "
-                f"{r['compile_s']:9.1f} {r['peak_gib']:8.2f}"
-            )
-            if args.compare_cpu_flags:
-                d = spawn(case, dtype, args.steps, default_flags=True)
-                line += f" {d['images_per_s']:18.1f} {r['images_per_s'] / d['images_per_s']:7.2f}x"
-            print(line, flush=True)
+    for method in args.methods.split(","):
+        for case in args.cases.split(","):
+            for dtype in args.dtypes.split(","):
+                r = spawn(case, dtype, args.steps, default_flags=False, method=method)
+                line = (
+                    f"{method:<7} {case:<9} {dtype:<9} {r['devices']:<8} "
+                    f"{r['images_per_s']:8.1f} {r['compile_s']:9.1f} {r['peak_gib']:8.2f}"
+                )
+                if args.compare_cpu_flags:
+                    d = spawn(case, dtype, args.steps, default_flags=True, method=method)
+                    speedup = r["images_per_s"] / d["images_per_s"]
+                    line += f" {d['images_per_s']:18.1f} {speedup:7.2f}x"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def make_train_step(
     def train_step(state: TrainState, batch: Any, stop: jax.Array | None = None):
         return step(state, batch, no_stop if stop is None else stop)
 
+    train_step.lower = step.lower  # (state, batch, stop): ahead-of-time compilation
     return train_step
 
 
