@@ -92,13 +92,21 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     # shortcut.
     c.model.head_bn = True
     c.model.head_last_bn = True
-    # 8000 images: a larger queue often holds the query's own image as a negative.
-    c.method.queue_size = 1024
-    c.method.momentum = 0.99  # MoCo's CIFAR-10 setting (m 0.99); 0.999 barely moves in 372 steps
-    c.method.temperature = 0.2  # MoCo v2's; 0.1 lets the output BN embeddings collapse again
+    # A run of 372 steps needs a key encoder that keeps up and a queue of fresh keys: with
+    # m 0.99 and a 1024-key queue the pretext task barely moved (contrastive loss 7.03 -> 6.80,
+    # kNN 63% on seed 0, 81% on another machine). m 0.9 and two batches of keys learn within
+    # an epoch. Measured per seed (kNN learned vs random init, 6 epochs): the recipe below gave
+    # 86.8/57.6, 92.9/48.9, 83.1/53.8 (seeds 0-2, per-device BN) and 90.3/57.6 (seed 0, sync
+    # BN). At lr 0.03 (batch 128) some seeds stalled for ~150 steps with similar negatives and
+    # ended near 76-79%; T 0.1 collapsed (35.6%). Half that lr with a 1-epoch warmup and T 0.3
+    # stalled on none of them.
+    c.method.queue_size = 256
+    c.method.momentum = 0.9
+    c.method.temperature = 0.3
     c.num_epochs = 6  # 372 steps: about 4.5 min on 2 CPU cores with the kNN evaluations
-    c.optim.base_lr = 0.12  # 0.06 at batch 128
+    c.optim.base_lr = 0.03  # 0.015 at batch 128
     c.optim.base_lr_batch_size = 256
+    c.optim.warmup_epochs = 1
     c.optim.schedule = "cosine"
     c.optim.update_interval = "step"
     c.optim.weight_decay = 5e-4
