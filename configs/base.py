@@ -181,6 +181,7 @@ def tiny(c: ml_collections.ConfigDict) -> None:
     c.model.width_multiplier = 0.125
     c.model.head_dims = (64, 32, 16)
     c.num_epochs = 2
+    c.optim.warmup_epochs = 0  # tests also run single epochs
     c.log_every_steps = 2
     c.knn.enabled = False
     c.knn.batch_size = 100
