@@ -1,11 +1,13 @@
-"""Throughput of the two-view SSL training input pipeline (a script, not a test).
+"""Throughput of the SSL training input pipeline, two views or multi-crop (a script, not a test).
 
     python benchmarks/input_pipeline.py --source=demo --image_size=32 --batch_size=256
     python benchmarks/input_pipeline.py --source=folder --image_size=224 --batch_size=128
+    python benchmarks/input_pipeline.py --source=folder --num_crops=2,6 --crop_sizes=224,96 \
+        --crop_scales=0.14,1,0.05,0.14        # SwAV's multi-crop
 
 --source=demo reads the built-in demo set (generated into --data_dir on first use); --source=folder
 writes a synthetic ImageNet-like folder of random JPEGs (--image_shape, default 375x500) to a
-temporary directory, or reads --data_dir if given. Prints examples/s and views/s of this host.
+temporary directory, or reads --data_dir if given. Prints examples/s and crops/s of this host.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def main() -> None:
     parser.add_argument("--data_dir", default=None, help="TFDS data_dir or image folder root")
     parser.add_argument("--image_size", type=int, default=32, help="output crop side S")
     parser.add_argument("--batch_size", type=int, default=256)
-    parser.add_argument("--num_views", type=int, default=2)
+    parser.add_argument("--num_crops", default="2", help="crops per group, e.g. 2 or 2,6")
+    parser.add_argument("--crop_sizes", default="", help="side per group; default image_size")
+    parser.add_argument("--crop_scales", default="", help="min,max per group, flattened")
     parser.add_argument("--steps", type=int, default=20, help="timed batches (after warm-up)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--num_images", type=int, default=1024, help="synthetic folder size")
@@ -62,7 +66,13 @@ def main() -> None:
             cache=args.cache,
         )
     )
-    config.augment.num_views = args.num_views
+    num_crops = tuple(int(k) for k in args.num_crops.split(","))
+    config.augment.num_crops = num_crops
+    if args.crop_sizes:
+        config.augment.crop_sizes = tuple(int(k) for k in args.crop_sizes.split(","))
+    if args.crop_scales:
+        flat = [float(x) for x in args.crop_scales.split(",")]
+        config.augment.crop_scale = tuple(zip(flat[::2], flat[1::2], strict=True))
     tmp = None
     if args.source == "folder" and args.data_dir is None:
         tmp = tempfile.TemporaryDirectory()
@@ -88,8 +98,9 @@ def main() -> None:
     examples = args.steps * args.batch_size
     print(
         f"source={args.source} S={args.image_size} batch={args.batch_size} "
-        f"views={args.num_views} steps/epoch={steps_per_epoch} cpus={os.cpu_count()}: "
-        f"{examples / elapsed:.0f} images/s ({examples * args.num_views / elapsed:.0f} views/s)"
+        f"crops={args.num_crops} sizes={args.crop_sizes or args.image_size} "
+        f"steps/epoch={steps_per_epoch} cpus={os.cpu_count()}: "
+        f"{examples / elapsed:.0f} images/s ({examples * sum(num_crops) / elapsed:.0f} crops/s)"
     )
     if tmp is not None:
         tmp.cleanup()

@@ -29,10 +29,9 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     """Runs in a child process: builds the method's step and times it."""
     sys.path.insert(0, ROOT)
     import jax
-    import numpy as np
 
     from configs import moco, simclr
-    from jssl import methods, parallel
+    from jssl import data, methods, parallel
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step, stop_flags
 
@@ -52,13 +51,8 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     state = init_state(config, method, tx, mesh)
     step = make_train_step(method, tx, schedule, mesh)
 
-    size, batch = spec["image_size"], spec["batch"]
-    rs = np.random.RandomState(0)
-    host = {
-        "views": tuple(rs.normal(size=(batch, size, size, 3)).astype(np.float32) for _ in "qk"),
-        "label": np.zeros(batch, np.int32),
-        "index": np.arange(batch),
-    }
+    batch = spec["batch"]
+    host = data.synthetic_batch(config.data, batch)
     batch_arrays = parallel.host_batch_to_global(host, mesh)
     stop = stop_flags(mesh, False)
     t0 = time.perf_counter()

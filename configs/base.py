@@ -44,16 +44,20 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.data.cache = False  # keep decoded examples in memory (small datasets)
     c.data.augment = ml_collections.ConfigDict()
     a = c.data.augment
-    a.num_views = 2
-    a.crop_scale = (0.2, 1.0)
+    # Crop groups (jssl/data/crops.py): crops per group, e.g. (2,) two views, (2, 6) SwAV's
+    # multi-crop. crop_sizes: one side per group, () = data.image_size. crop_scale and the
+    # probabilities: one value for every group, or one per group.
+    a.num_crops = (2,)
+    a.crop_sizes = ()
+    a.crop_scale = (0.2, 1.0)  # (min, max) area fraction, or one pair per group
     a.crop_ratio = (3 / 4, 4 / 3)
-    a.flip_prob = 0.5
-    a.color_jitter_prob = 0.8
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.8,)
     a.color_strength = 0.5  # jitter (0.8s, 0.8s, 0.8s, 0.2s), VISSL ImgPilColorDistortion
-    a.grayscale_prob = 0.2
-    a.blur_prob = 0.5
+    a.grayscale_prob = (0.2,)
+    a.blur_prob = (0.5,)
     a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = 0.0
+    a.solarize_prob = (0.0,)
     a.mean = (0.485, 0.456, 0.406)
     a.std = (0.229, 0.224, 0.225)
 
@@ -151,11 +155,11 @@ def demo_data_and_model(c: ml_collections.ConfigDict) -> None:
     c.data.batch_size = 128
     c.data.cache = True
     c.data.augment.crop_scale = (0.2, 1.0)
-    c.data.augment.blur_prob = 0.0  # blur destroys 32 px shapes (SimCLR drops it on CIFAR)
+    c.data.augment.blur_prob = (0.0,)  # blur destroys 32 px shapes (SimCLR drops it on CIFAR)
     # The demo's nuisance is colour: strong distortion (SimCLR's s=1, Chen et al. 2020 Sec. 3)
     # and frequent grayscale keep the method from matching views by colour.
     c.data.augment.color_strength = 1.0
-    c.data.augment.grayscale_prob = 0.5
+    c.data.augment.grayscale_prob = (0.5,)
     # Zero-init residuals make each block start as the identity; on a tiny net and a
     # few hundred steps that delay costs the whole run (measured: no learning in 6 epochs).
     c.model.zero_init_residual = False

@@ -43,7 +43,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.data.image_size = 224
     c.data.augment.crop_scale = (0.08, 1.0)  # torchvision RandomResizedCrop default, as VISSL
     c.data.augment.color_strength = 0.5
-    c.data.augment.blur_prob = 0.5
+    c.data.augment.blur_prob = (0.5,)
     c.data.augment.blur_sigma = (0.1, 2.0)
 
     # VISSL: sgd, momentum 0.9, nesterov, weight_decay 1e-4, regularize_bn/bias True,

@@ -35,7 +35,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.data.image_size = 224
     c.data.augment.crop_scale = (0.08, 1.0)
     c.data.augment.color_strength = 1.0
-    c.data.augment.blur_prob = 0.5
+    c.data.augment.blur_prob = (0.5,)
     c.data.augment.blur_sigma = (0.1, 2.0)
 
     # OPTIMIZER sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8), weight_decay

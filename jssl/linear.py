@@ -209,12 +209,14 @@ def train_data_config(
     out = data_config.copy_and_resolve_references()
     with out.unlocked():
         a = out.augment
-        a.num_views = 1
+        a.num_crops = (1,)
+        a.crop_sizes = ()
         a.crop_scale = tuple(crop_scale)
-        a.color_jitter_prob = 0.0
-        a.grayscale_prob = 0.0
-        a.blur_prob = 0.0
-        a.solarize_prob = 0.0
+        a.flip_prob = (0.5,)
+        a.color_jitter_prob = (0.0,)
+        a.grayscale_prob = (0.0,)
+        a.blur_prob = (0.0,)
+        a.solarize_prob = (0.0,)
     return out
 
 

@@ -16,6 +16,7 @@ VISSL's optimizer block maps onto ``config.optim``:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -216,3 +217,61 @@ def build_optimizer(
     if optim_config.grad_clip_norm and optim_config.grad_clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(optim_config.grad_clip_norm), tx)
     return tx
+
+
+class FrozenState(NamedTuple):
+    count: jax.Array  # updates applied so far
+    inner: optax.OptState
+
+
+def freeze_for_steps(
+    tx: optax.GradientTransformation, params: Any, frozen: Sequence[tuple[str, int]]
+) -> optax.GradientTransformation:
+    """``tx`` with the parameters under each path prefix held fixed for their first N steps
+    (VISSL ``MODEL.TEMP_FROZEN_PARAMS_ITER_MAP``: SwAV's prototypes for 313 iterations).
+
+    While frozen, a parameter's gradient is zeroed before ``tx`` and its update after it, so
+    it does not move and the loss does not steer ``tx``'s state for it. Deliberate
+    difference: PyTorch skips a parameter whose grad is None altogether, while here coupled
+    weight decay still enters its momentum buffer during the freeze (``wd * p`` per step,
+    1e-6 in VISSL's SwAV recipe, negligible).
+    """
+    frozen = tuple((str(prefix).strip("/"), int(steps)) for prefix, steps in frozen)
+    if not frozen:
+        return tx
+
+    def until(path, _) -> int:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        matches = [n for prefix, n in frozen if name == prefix or name.startswith(prefix + "/")]
+        return max(matches, default=0)
+
+    steps_of = jax.tree_util.tree_map_with_path(until, params)
+    unmatched = [p for p, _ in frozen if not _any_leaf_under(params, p)]
+    if unmatched:
+        raise ValueError(
+            f"Frozen parameter prefix(es) {unmatched} match no parameter; the parameters are "
+            f"{sorted(_leaf_names(params))[:8]}..."
+        )
+
+    def hold(tree, count):
+        return jax.tree.map(lambda x, n: jnp.where(count < n, jnp.zeros_like(x), x), tree, steps_of)
+
+    def init_fn(params):
+        return FrozenState(jnp.zeros([], jnp.int32), tx.init(params))
+
+    def update_fn(updates, state, params=None):
+        updates, inner = tx.update(hold(updates, state.count), state.inner, params)
+        return hold(updates, state.count), FrozenState(state.count + 1, inner)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _leaf_names(params: Any) -> list[str]:
+    return [
+        "/".join(str(getattr(k, "key", k)) for k in path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
+
+
+def _any_leaf_under(params: Any, prefix: str) -> bool:
+    return any(n == prefix or n.startswith(prefix + "/") for n in _leaf_names(params))

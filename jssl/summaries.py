@@ -26,18 +26,17 @@ def view_grid(views: Sequence[np.ndarray], mean, std, max_examples: int = 8) -> 
     return np.concatenate(rows, axis=0)
 
 
-def write_views(writer, views: Sequence[np.ndarray], augment_config) -> None:
-    """Writes the first training examples' augmented views, so augmentations can be checked."""
+def write_views(writer, crops: Sequence[np.ndarray], augment_config) -> None:
+    """Writes the first training examples' augmented crops, one grid per crop group (rows:
+    examples, columns: the group's crops), so every group's augmentations can be checked."""
     if jax.process_index() != 0:
         return
-    # Views of different sizes (multi-crop) go in one grid per size.
-    by_size: dict[tuple[int, int], list[np.ndarray]] = {}
-    for v in views:
-        by_size.setdefault(tuple(v.shape[1:3]), []).append(v)
-    images = {
-        f"augmented_views_{h}px": view_grid(group, augment_config.mean, augment_config.std)[None]
-        for (h, _), group in by_size.items()
-    }
+    images = {}
+    for g, group in enumerate(crops):
+        group = np.asarray(group)  # (n, num_crops, S, S, 3)
+        views = [group[:, j] for j in range(group.shape[1])]
+        grid = view_grid(views, augment_config.mean, augment_config.std)
+        images[f"augmented_crops/group{g}_{group.shape[1]}x{group.shape[2]}px"] = grid[None]
     writer.write_images(0, images)
 
 

@@ -118,15 +118,20 @@ def stop_flags(mesh: Mesh, requested: bool) -> jax.Array:
 
 
 def make_eval_step(
-    method: Method, mesh: Mesh, *, num_views: int = 2, taps: Sequence[str] = ()
+    method: Method,
+    mesh: Mesh,
+    *,
+    crop_groups: Sequence[tuple[int, int]] = ((2, 0),),
+    taps: Sequence[str] = (),
 ) -> Callable[[TrainState, Any], tuple]:
     """The method's loss on an evaluation batch, in evaluation mode (BN running statistics,
     no state updates), with the per-example outputs the test phase writes.
 
     The batch is the evaluation pipeline's ``{"image", "label", "index", "mask"}`` (one
     centre crop per example, padding rows with ``mask`` False). The image is fed as every
-    one of the method's ``num_views`` views, so the test loss is the method's loss on
-    identical centre-crop views: it measures the encoders' agreement on clean images, not the
+    crop of every crop group, ``crop_groups`` being ``(num_crops, size)`` pairs (size 0: the
+    image's own; others are resized to), so the test loss is the method's loss on identical
+    centre-crop views: it measures the encoders' agreement on clean images, not the
     augmentation-invariance the training loss measures.
 
     Returns ``(totals, per_example)``:
@@ -147,7 +152,7 @@ def make_eval_step(
     def per_replica(state: TrainState, batch: Any):
         image = batch["image"]
         mask = batch["mask"].astype(jnp.float32)
-        method_batch = dict(batch, views=(image,) * num_views)
+        method_batch = dict(batch, crops=_as_crops(image, crop_groups))
         loss, out = method.loss(state.params, state, method_batch, state.rng, train=False)
         metrics = out.metrics
         outputs = {
@@ -182,6 +187,18 @@ def make_eval_step(
         check_vma=False,
     )
     return jax.jit(sharded)
+
+
+def _as_crops(image: jax.Array, crop_groups: Sequence[tuple[int, int]]) -> tuple:
+    """``image`` (n, H, W, 3) as every crop of each group: (n, num_crops, S, S, 3) arrays."""
+    out = []
+    for count, size in crop_groups:
+        n, h, w, c = image.shape
+        resized = image
+        if size and (size, size) != (h, w):
+            resized = jax.image.resize(image, (n, size, size, c), "linear", antialias=True)
+        out.append(jnp.broadcast_to(resized[:, None], (n, count, *resized.shape[1:])))
+    return tuple(out)
 
 
 def make_forward(method: Method, mesh: Mesh) -> Callable[[TrainState, jax.Array], dict]:

@@ -242,7 +242,9 @@ def _record_config(
                 effective[field] = change["new"]
 
     differing = sorted(
-        f for f in effective.keys() | new.keys() if effective.get(f, _ABSENT) != new.get(f, _ABSENT)
+        f
+        for f in effective.keys() | new.keys()
+        if not _same(effective.get(f, _ABSENT), new.get(f, _ABSENT))
     )
     if not differing:
         return []
@@ -283,6 +285,16 @@ def _record_config(
         "\n  ".join(lines),
     )
     return lines
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Equal values; a scalar also equals the one-element list of it (augmentation
+    probabilities became per-crop-group tuples, so older workdirs hold scalars)."""
+    if isinstance(old, list) and len(old) == 1 and not isinstance(new, list):
+        old = old[0]
+    if isinstance(new, list) and len(new) == 1 and not isinstance(old, list):
+        new = new[0]
+    return old == new
 
 
 def _change_line(field: str, old: Any, new: Any) -> str:

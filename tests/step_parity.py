@@ -34,7 +34,7 @@ def main() -> None:
     from jax.flatten_util import ravel_pytree
 
     from configs import moco, simclr
-    from jssl import methods
+    from jssl import data, methods
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step
 
@@ -53,17 +53,14 @@ def main() -> None:
     if args.method == "moco":
         config.method.queue_size = 32  # two batches: the second step sees enqueued keys
     mesh = parallel.make_mesh()
-    method = methods.get(config)
+    method = methods.get(config, steps_per_epoch=4)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
-    size = config.data.image_size
     state = init_state(config, method, tx, mesh)
     step = make_train_step(method, tx, schedule, mesh)
 
-    rs = np.random.RandomState(0)
     losses = []
-    for _ in range(args.steps):
-        views = tuple(rs.normal(size=(16, size, size, 3)).astype(np.float32) for _ in range(2))
-        full = {"views": views, "label": np.zeros(16, np.int32), "index": np.arange(16)}
+    for i in range(args.steps):
+        full = data.synthetic_batch(config.data, 16, seed=i)
         rows = slice(
             jax.process_index() * 16 // jax.process_count(),
             (jax.process_index() + 1) * 16 // jax.process_count(),

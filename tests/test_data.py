@@ -31,7 +31,7 @@ def _batches(ds):
 
 def _views_by_index(batches):
     return {
-        int(i): tuple(v[row] for v in b["views"])
+        int(i): tuple(g[row, j] for g in b["crops"] for j in range(g.shape[1]))
         for b in batches
         for row, i in enumerate(b["index"])
     }
@@ -59,19 +59,22 @@ def test_train_epoch_shapes_and_counts(demo_dir):
     batches = _batches(data.build_train_dataset(config, seed=0, epoch=0))
     assert len(batches) == 6
     batch = batches[0]
-    assert len(batch["views"]) == 2
-    assert batch["views"][0].shape == (8, 16, 16, 3) and batch["views"][0].dtype == np.float32
+    assert len(batch["crops"]) == 1  # one crop group of two crops
+    assert batch["crops"][0].shape == (8, 2, 16, 16, 3) and batch["crops"][0].dtype == np.float32
     assert batch["label"].dtype == np.int32 and batch["index"].dtype == np.int64
     assert batch["replaced"].dtype == bool and not batch["replaced"].any()
-    assert not np.allclose(batch["views"][0], batch["views"][1])
+    assert not np.allclose(batch["crops"][0][:, 0], batch["crops"][0][:, 1])
     indices = np.concatenate([b["index"] for b in batches])
     assert sorted(indices) == list(range(48))
     # Demo labels are index % 10 (generation order is kept on disk).
     np.testing.assert_array_equal(batch["label"], batch["index"] % 10)
 
 
-def test_views_depend_only_on_seed_epoch_index(demo_dir):
+def test_crops_depend_only_on_seed_epoch_index(demo_dir):
+    # Multi-crop: two groups of different sizes; every crop of an example is a function of
+    # (seed, epoch, index) only, whatever the process count.
     config = _config(demo_dir)
+    config.augment.update(dict(num_crops=(2, 3), crop_sizes=(16, 8)))
     one = _batches(data.build_train_dataset(config, seed=3, epoch=1))
     two = [
         _batches(
@@ -80,7 +83,7 @@ def test_views_depend_only_on_seed_epoch_index(demo_dir):
         for p in range(2)
     ]
     assert [len(b) for b in two] == [6, 6]
-    assert two[0][0]["views"][0].shape[0] == 4
+    assert [g.shape for g in two[0][0]["crops"]] == [(4, 2, 16, 16, 3), (4, 3, 8, 8, 3)]
     shards = [set(_views_by_index(b)) for b in two]
     assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(48))
     views_one = _views_by_index(one)
@@ -103,7 +106,7 @@ def test_start_step_is_the_tail_of_the_epoch(demo_dir, cache):
     assert len(tail) == 2
     for a, b in zip(full[4:], tail, strict=True):
         np.testing.assert_array_equal(a["index"], b["index"])
-        np.testing.assert_array_equal(a["views"][1], b["views"][1])
+        np.testing.assert_array_equal(a["crops"][0], b["crops"][0])
 
 
 def test_eval_exactly_once_with_padding(demo_dir):
@@ -131,7 +134,7 @@ def test_tfds_mock_data(name, tmp_path):
         assert data.steps_per_epoch(config) == 2
         batches = _batches(data.build_train_dataset(config, seed=0, epoch=0))
         evals = _batches(data.build_eval_dataset(config, split, batch_size=4))
-    assert len(batches) == 2 and batches[0]["views"][0].shape == (4, 16, 16, 3)
+    assert len(batches) == 2 and batches[0]["crops"][0].shape == (4, 2, 16, 16, 3)
     assert len(evals) == 3 and evals[-1]["mask"].tolist() == [True, True, False, False]
 
 
@@ -163,7 +166,7 @@ def test_folder_source(tmp_path):
     config = _config(str(tmp_path), source="folder", batch_size=2, train_subset=-1)
     assert data.num_examples(config, "train") == 5 and data.steps_per_epoch(config) == 2
     batches = _batches(data.build_train_dataset(config, seed=0, epoch=0))
-    assert len(batches) == 2 and batches[0]["views"][0].shape == (2, 16, 16, 3)
+    assert len(batches) == 2 and batches[0]["crops"][0].shape == (2, 2, 16, 16, 3)
     evals = _batches(data.build_eval_dataset(config, "val", batch_size=2))
     assert len(evals) == 3
     rows = [(i, lab) for b in evals for i, lab, m in zip(*_cols(b), strict=True) if m]

@@ -125,7 +125,7 @@ def test_launch_writes_config_checkpoints_and_summaries(tmp_path, shared_dirs):
     for tag in ("loss", "learning_rate", "images_per_sec", "steps_per_sec"):
         assert tag in events, sorted(events)
         assert events[tag][8] == "scalars"
-    assert events["augmented_views_16px"] == {0: "images"}
+    assert events["augmented_crops/group0_2x16px"] == {0: "images"}
     losses = scalar_values(workdir / "tensorboard", "loss")
     assert sorted(losses) == [2, 4, 6, 8]
     assert all(0 < v < 100 for v in losses.values()), losses

@@ -176,6 +176,6 @@ def test_train_augmentation_is_crop_and_flip_only():
     data_config = moco.get_config("demo").data
     out = linear.train_data_config(data_config, (0.08, 1.0))
     a = out.augment
-    assert a.num_views == 1 and tuple(a.crop_scale) == (0.08, 1.0) and a.flip_prob == 0.5
-    assert a.color_jitter_prob == a.grayscale_prob == a.blur_prob == a.solarize_prob == 0.0
-    assert data_config.augment.num_views == 2  # the original is untouched
+    assert a.num_crops == (1,) and tuple(a.crop_scale) == (0.08, 1.0) and a.flip_prob == (0.5,)
+    assert a.color_jitter_prob == a.grayscale_prob == a.blur_prob == a.solarize_prob == (0.0,)
+    assert data_config.augment.num_crops == (2,)  # the original is untouched

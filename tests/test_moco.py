@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import moco
-from jssl import methods, parallel
+from jssl import data, methods, parallel
 from jssl.engines.train import init_state, make_optimizer
 from jssl.methods import moco as moco_method
 
@@ -90,15 +90,11 @@ def test_bfloat16_step_keeps_float32_state_and_loss():
     tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
     state = init_state(config, method, tx, mesh)
     step = make_train_step(method, tx, schedule, mesh, probe_config=config)
-    rs = np.random.RandomState(0)
-    size = config.data.image_size
-    batch = {
-        "views": tuple(rs.normal(size=(16, size, size, 3)).astype(np.float32) for _ in "qk"),
-        "label": np.zeros(16, np.int32),
-        "index": np.arange(16),
-    }
+    batch = data.synthetic_batch(config.data, 16)
     out = method.model.apply(
-        {"params": state.params, "batch_stats": state.batch_stats}, batch["views"][0], train=False
+        {"params": state.params, "batch_stats": state.batch_stats},
+        batch["crops"][0][:, 0],
+        train=False,
     )
     assert out["res5"].dtype == jnp.bfloat16  # compute really is bf16
     new, metrics = step(state, parallel.host_batch_to_global(batch, mesh))

@@ -34,13 +34,17 @@ def test_bad_settings_name_the_field():
     with pytest.raises(ValueError, match="method.temperature=0.0"):
         methods.check_config(config)
     config = simclr.get_config("test")
-    config.data.augment.num_views = 3
-    with pytest.raises(ValueError, match="num_views=3"):
+    config.data.augment.num_crops = (1,)
+    with pytest.raises(ValueError, match=r"num_crops=\(1,\)"):
         methods.check_config(config)
 
 
-def test_trains_end_to_end(tmp_path, shared_dirs):
+def test_trains_end_to_end_multicrop(tmp_path, shared_dirs):
+    # Multi-crop SimCLR: 2 crops at 16 px and 2 at 8 px (VISSL multicrop_simclr_info_nce_loss).
     config = simclr.get_config("test")
+    config.data.augment.num_crops = (2, 2)
+    config.data.augment.crop_sizes = (16, 8)
+    config.data.augment.crop_scale = ((0.2, 1.0), (0.05, 0.2))
     config.data.data_dir = shared_dirs[0]
     config.checkpoint.async_save = False
     config.test_every_epochs = 2

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from jssl.data import default_config, transforms
+from jssl.data import crops, default_config, transforms
 
 SIZE = 16
 
@@ -21,14 +21,17 @@ def _in_tf_data(fn, image, seed):
 
 AUG = default_config().augment
 AUG_ALL_ON = default_config().augment
-AUG_ALL_ON.update(dict(color_jitter_prob=1.0, blur_prob=1.0, solarize_prob=1.0, grayscale_prob=0.5))
+AUG_ALL_ON.update(
+    dict(color_jitter_prob=(1.0,), blur_prob=(1.0,), solarize_prob=(1.0,), grayscale_prob=(0.5,))
+)
+ALL_ON = crops.CropGroup(2, SIZE, (0.2, 1.0), 0.5, 1.0, 0.5, 1.0, 1.0)
 
 CASES = {
     "crop": lambda x, s: transforms.random_resized_crop(x, s, SIZE, (0.2, 1.0)),
     "flip": lambda x, s: transforms.random_flip(x, s, 0.5),
     "color": lambda x, s: transforms.color_distortion(x, s, 1.0, 1.0, 0.2),
     "blur": lambda x, s: transforms.gaussian_blur(x, s, (0.1, 2.0)),
-    "view": lambda x, s: transforms.ssl_view(x, s, SIZE, AUG_ALL_ON),
+    "view": lambda x, s: transforms.ssl_view(x, s, ALL_ON, AUG_ALL_ON),
 }
 
 

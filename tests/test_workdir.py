@@ -171,3 +171,15 @@ def test_fields_of_another_jssl_version_are_recorded_not_refused(tmp_path):
         'optim.lr_scaling: <absent> -> "linear"',
         "optim.retired_field: 1 -> <absent>",
     ]
+
+
+def test_a_scalar_probability_of_an_older_workdir_equals_its_one_group_tuple(tmp_path):
+    # Before crop groups, augmentation probabilities were scalars; (p,) means the same run.
+    old = json.loads(_config().to_json_best_effort())
+    old["data"]["augment"]["blur_prob"] = old["data"]["augment"]["blur_prob"][0]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert workdir_lib.record_config(_config(), str(tmp_path), resuming=True, force=False) == []
+    changed = _config()
+    changed.data.augment.blur_prob = (0.9,)
+    with pytest.raises(workdir_lib.ConfigChangedError, match="data.augment.blur_prob"):
+        workdir_lib.record_config(changed, str(tmp_path), resuming=True, force=False)

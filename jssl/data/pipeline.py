@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from jssl.data import order, sources, transforms
+from jssl.data import crops, order, sources, transforms
 
 AUTOTUNE = tf.data.AUTOTUNE
 _DECODED: dict[tuple, sources.DecodedSplit] = {}  # data.cache: decoded splits, once per process
@@ -76,27 +76,20 @@ def _checked_folder_images(
     )
 
 
-def _views_fn(data_config, seed: int, epoch: int):
-    augment = data_config.augment
-    size = data_config.image_size
+def _crops_fn(data_config, seed: int, epoch: int):
+    groups = crops.crop_groups(data_config)
 
-    def make_views(example):
+    def make_crops(example):
         image = tf.image.convert_image_dtype(example["image"], tf.float32)
-        view_seeds = tf.random.experimental.stateless_split(
-            transforms.example_seed(seed, epoch, example["index"]), augment.num_views
-        )
-        views = tuple(
-            transforms.ssl_view(image, view_seeds[v], size, augment)
-            for v in range(augment.num_views)
-        )
+        example_seed = transforms.example_seed(seed, epoch, example["index"])
         return {
-            "views": views,
+            "crops": crops.make_crops(image, example_seed, groups, data_config.augment),
             "label": example["label"],
             "index": example["index"],
             "replaced": example["replaced"],
         }
 
-    return make_views
+    return make_crops
 
 
 def _decode_record(record):
@@ -166,7 +159,9 @@ def build_train_dataset(
     process_index: int = 0,
     process_count: int = 1,
 ) -> tf.data.Dataset:
-    """This process's batches of one training epoch: {"views", "label", "index", "replaced"}.
+    """This process's batches of one training epoch: {"crops", "label", "index", "replaced"}.
+
+    "crops" holds one array per crop group (jssl.data.crops), (local batch, num_crops, S, S, 3).
 
     Exactly steps_per_epoch - start_step batches on every process, whatever is unreadable;
     start_step > 0 drops that many batches before anything is decoded. "replaced" (bool per row)
@@ -241,7 +236,7 @@ def build_train_dataset(
             ds = records(first).map(lambda r: order.train_row(r, False))
 
     ds = ds.map(
-        _views_fn(data_config, seed, epoch), num_parallel_calls=AUTOTUNE, deterministic=True
+        _crops_fn(data_config, seed, epoch), num_parallel_calls=AUTOTUNE, deterministic=True
     )
     ds = ds.batch(local_batch, drop_remainder=True).take(steps - start_step)
     return _options(ds.prefetch(AUTOTUNE))

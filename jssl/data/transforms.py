@@ -173,24 +173,26 @@ def normalize(image: tf.Tensor, mean: Sequence[float], std: Sequence[float]) -> 
     return (image - mean_t) / std_t
 
 
-def ssl_view(image: tf.Tensor, seed: Seed, size: int, augment) -> tf.Tensor:
-    """One augmented, normalised view of `image` (float32 [0, 1]) under `augment` (a ConfigDict).
+def ssl_view(image: tf.Tensor, seed: Seed, group, augment) -> tf.Tensor:
+    """One augmented, normalised view of `image` (float32 [0, 1]).
 
-    Each transform gets its own sub-seed, so changing one probability does not reshuffle the
-    randomness of the others.
+    `group` (a jssl.data.crops.CropGroup) gives the crop's size, scale range and the
+    probability of each random transform; `augment` (the data.augment ConfigDict) the rest:
+    crop_ratio, color_strength, blur_sigma, mean and std. Each transform gets its own
+    sub-seed, so changing one probability does not reshuffle the randomness of the others.
     """
     crop_s, flip_s, color_s, blur_s, solar_s = tf.unstack(
         tf.random.experimental.stateless_split(seed, 5)
     )
-    image = random_resized_crop(image, crop_s, size, augment.crop_scale, augment.crop_ratio)
-    image = random_flip(image, flip_s, augment.flip_prob)
+    image = random_resized_crop(image, crop_s, group.size, group.scale, augment.crop_ratio)
+    image = random_flip(image, flip_s, group.flip_prob)
     image = color_distortion(
-        image, color_s, augment.color_strength, augment.color_jitter_prob, augment.grayscale_prob
+        image, color_s, augment.color_strength, group.color_jitter_prob, group.grayscale_prob
     )
     image = random_apply(
-        lambda x, sd: gaussian_blur(x, sd, augment.blur_sigma), augment.blur_prob, image, blur_s
+        lambda x, sd: gaussian_blur(x, sd, augment.blur_sigma), group.blur_prob, image, blur_s
     )
-    image = random_apply(lambda x, _: solarize(x), augment.solarize_prob, image, solar_s)
+    image = random_apply(lambda x, _: solarize(x), group.solarize_prob, image, solar_s)
     return normalize(image, augment.mean, augment.std)
 
 

@@ -193,7 +193,7 @@ def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
             process_count=process_count,
         )
         for batch in ds.as_numpy_iterator():
-            yield {"inputs": batch["views"][0], "label": batch["label"]}
+            yield {"inputs": batch["crops"][0][:, 0], "label": batch["label"]}
 
     def test_batches() -> Iterator[dict]:
         ds = data.build_eval_dataset(

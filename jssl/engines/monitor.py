@@ -32,11 +32,13 @@ _METHOD_OUTPUTS = {"avgpool": "features", "head": "embeddings"}
 
 
 def make_test_step(config: ml_collections.ConfigDict, method, mesh) -> Callable:
-    """The eval step ``test_phase`` expects: every view is the eval image, and the kNN layer
+    """The eval step ``test_phase`` expects: every crop is the eval image (resized to the
+    crop group's size), and the kNN layer
     is among its per-example outputs (so the kNN queries come from the same forward)."""
     layer = config.knn.layer
     taps = (layer,) if config.knn.enabled and layer not in _METHOD_OUTPUTS else ()
-    return make_eval_step(method, mesh, num_views=config.data.augment.num_views, taps=taps)
+    groups = [(g.num_crops, g.size) for g in data.crop_groups(config.data)]
+    return make_eval_step(method, mesh, crop_groups=groups, taps=taps)
 
 
 def _eval_batches(

@@ -53,6 +53,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     parallel.check_batch_divisible(config.data.batch_size)
     checkpoint.check_config(config.checkpoint)
+    data.crop_groups(config.data)
     methods.check_config(config)
 
 
@@ -93,7 +94,8 @@ def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, st
     params_shape = jax.eval_shape(
         method.init, jax.random.PRNGKey(0), jnp.zeros((1, size, size, 3))
     )["params"]
-    return optim.build_optimizer(config.optim, params_shape, schedule), schedule
+    tx = optim.build_optimizer(config.optim, params_shape, schedule)
+    return optim.freeze_for_steps(tx, params_shape, method.frozen_params), schedule
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -114,7 +116,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str, Any]:
     mesh = parallel.make_mesh()
-    method = methods.get(config)
     steps_per_epoch = data.steps_per_epoch(config.data, jax.process_count())
     if steps_per_epoch < 1:
         raise ValueError(
@@ -123,6 +124,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str
             "lower --config.data.batch_size or use more data (data.train_subset)."
         )
     total_steps = steps_per_epoch * config.num_epochs
+    method = methods.get(config, steps_per_epoch)
     tx, schedule = make_optimizer(config, method, steps_per_epoch)
     state = init_state(config, method, tx, mesh)
 
@@ -307,7 +309,7 @@ class _Loop:
             if "replaced" in host_batch:
                 replaced += int(np.sum(host_batch.pop("replaced")))
             if step == 0:
-                summaries.write_views(self.writer, host_batch["views"], config.data.augment)
+                summaries.write_views(self.writer, host_batch["crops"], config.data.augment)
             batch = parallel.host_batch_to_global(host_batch, self.mesh)
             stop = stop_flags(self.mesh, self.sigterm.requested)
             state, metrics = self.train_step(state, batch, stop)

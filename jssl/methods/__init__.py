@@ -58,6 +58,9 @@ class Method(NamedTuple):
     after_update: Callable[..., Any] | None
     # The flax module whose taps the evaluation reads (online trunk + heads).
     model: Any
+    # (parameter path prefix, steps): parameters the optimizer holds fixed for their first
+    # steps (VISSL TEMP_FROZEN_PARAMS_ITER_MAP; SwAV's prototypes).
+    frozen_params: tuple[tuple[str, int], ...] = ()
 
 
 def _module(config: ml_collections.ConfigDict):
@@ -77,6 +80,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         module.check_config(config)
 
 
-def get(config: ml_collections.ConfigDict) -> Method:
-    """Imports ``jssl.methods.<config.method.name>`` and builds its Method."""
-    return _module(config).make(config)
+def get(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
+    """Imports ``jssl.methods.<config.method.name>`` and builds its Method.
+
+    ``steps_per_epoch`` (the trainer passes it) lets a method turn epochs of its config into
+    steps (SwAV's queue start); evaluation engines leave it None.
+    """
+    return _module(config).make(config, steps_per_epoch=steps_per_epoch)

@@ -28,7 +28,7 @@ from jssl.methods import LossOutput, Method, common
 from jssl.parallel import DATA_AXIS
 
 
-def make(config: ml_collections.ConfigDict) -> Method:
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
     sync_bn = config.model.sync_bn
     model = models.build_model(config.model, bn_axis_name=DATA_AXIS if sync_bn else None)
@@ -62,7 +62,7 @@ def make(config: ml_collections.ConfigDict) -> Method:
         return keys, ema_batch_stats
 
     def loss(params, state, batch, rng, train: bool = True):
-        view_q, view_k = batch["views"][0], batch["views"][1]
+        view_q, view_k = common.views(batch)
         out, batch_stats = common.apply_model(model, params, state.batch_stats, view_q, train)
         keys, ema_batch_stats = key_embeddings(state, view_k, rng, train)
         keys = jax.lax.stop_gradient(losses.l2_normalize(keys.astype(jnp.float32)))
@@ -100,6 +100,12 @@ def make(config: ml_collections.ConfigDict) -> Method:
 
 def check_config(config: ml_collections.ConfigDict) -> None:
     """Start-up checks that would otherwise fail deep inside the step."""
+    crops = tuple(config.data.augment.num_crops)
+    if sum(crops) != 2:
+        raise ValueError(
+            f"data.augment.num_crops={crops}: MoCo takes two crops of each image (a query and "
+            "a key); set --config.data.augment.num_crops=2 (one group of two crops)."
+        )
     queue, batch = config.method.queue_size, config.data.batch_size
     if queue % batch:
         raise ValueError(

@@ -2,20 +2,27 @@
 Representations"), as VISSL trains it (configs/config/pretrain/simclr/simclr_8node_resnet.yaml,
 vissl/losses/simclr_info_nce_loss.py).
 
-Per step: both views of every image go through the one online network (trunk + MLP projection
-head); NT-Xent (``jssl.losses.simclr_info_nce``) contrasts each view with the other view of its
-image against the 2N - 2 other embeddings of the global batch, gathered from every device with
-gradients flowing back. No momentum encoder, no queue, nothing to update after the step.
+Per step: every crop of every image goes through the one online network (trunk + MLP
+projection head). With two crops, NT-Xent (``jssl.losses.simclr_info_nce``) contrasts each view
+with the other view of its image against the 2N - 2 other embeddings of the global batch,
+gathered from every device with gradients flowing back. With more crops (crop groups such as
+2x224 + 4x96, ``data.augment.num_crops``), VISSL's multi-crop loss
+(``jssl.losses.multicrop_simclr_info_nce``): every crop is an anchor, every other crop of its
+image a positive, the crops of the other images of the global batch the negatives, and the
+loss the mean over (anchor, positive) pairs. No momentum encoder, no queue, nothing to update
+after the step.
 
 Deliberate differences from VISSL:
-- The two views go through the network as one concatenated batch, so batch-norm statistics in
-  train mode cover both views (VISSL forwards the two 224 px crops of a group together too).
+- Crops of one size go through the trunk as one concatenated batch and the head sees all
+  crops at once (VISSL's multi-resolution forward), so batch-norm statistics in train mode
+  cover every crop of a resolution.
 - Per-device batch-norm running statistics (``model.sync_bn=False``) are averaged over devices
   after each step; VISSL's recipe converts every BN to SyncBN (our ``sync_bn=True`` preset).
 - In the test phase (evaluation mode) the padding rows of the last test batch take part in the
   negatives; the per-example losses of real rows are what the test loss averages.
-Multi-crop SimCLR (VISSL's multicrop_simclr_info_nce_loss) is in ``jssl.losses`` and follows
-with the multi-crop data pipeline.
+- Multi-crop negatives come from the global batch (VISSL's multi-crop criterion masks out
+  other ranks' crops, so its loss depends on the GPU count); see
+  ``jssl.losses.multicrop_simclr_info_nce``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from jssl.methods import LossOutput, Method, common
 from jssl.parallel import DATA_AXIS
 
 
-def make(config: ml_collections.ConfigDict) -> Method:
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
@@ -42,13 +49,14 @@ def make(config: ml_collections.ConfigDict) -> Method:
         return dict(params=variables["params"], batch_stats=variables["batch_stats"])
 
     def loss(params, state, batch, rng, train: bool = True):
-        view1, view2 = batch["views"][0], batch["views"][1]
-        n = view1.shape[0]
-        both = jnp.concatenate([view1, view2])
-        out, batch_stats = common.apply_model(model, params, state.batch_stats, both, train)
-        embeddings = out["head"].astype(jnp.float32)
-        value, metrics, per_example = losses.simclr_info_nce(
-            embeddings[:n], embeddings[n:], mcfg.temperature, DATA_AXIS
+        count = common.num_crops(batch)
+        out, batch_stats = common.forward_crops(
+            model, params, state.batch_stats, batch["crops"], train
+        )
+        embeddings = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, d)
+        n = embeddings.shape[1]
+        value, metrics, per_example = losses.multicrop_simclr_info_nce(
+            embeddings, mcfg.temperature, DATA_AXIS
         )
         return value, LossOutput(
             metrics=metrics,
@@ -68,8 +76,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"method.temperature={config.method.temperature} must be positive "
             "(SimCLR's recipes use 0.1): set --config.method.temperature."
         )
-    if config.data.augment.num_views != 2:
+    crops = tuple(config.data.augment.num_crops)
+    if sum(crops) < 2:
         raise ValueError(
-            f"data.augment.num_views={config.data.augment.num_views}: SimCLR here contrasts "
-            "two views; set --config.data.augment.num_views=2."
+            f"data.augment.num_crops={crops}: SimCLR needs at least two crops of each image "
+            "(the positives); set --config.data.augment.num_crops=2, or e.g. '(2, 4)' for "
+            "multi-crop."
         )

@@ -3,12 +3,19 @@
 This is VISSL's ``BaseSSLMultiInputOutputModel`` (``vissl/models/base_ssl_model.py``)
 reduced to what the methods need: the trunk's taps (for feature extraction and
 linear evaluation) plus the head's output under ``"head"`` (for the SSL loss).
+
+Multi-crop input is VISSL's ``multi_res_input_forward``: given a list of image batches (one per
+resolution), the trunk runs once per batch and the head once on all trunk features
+concatenated, so the head's batch norm sees every crop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 
 class TrunkAndHead(nn.Module):
@@ -24,8 +31,13 @@ class TrunkAndHead(nn.Module):
     head_input: str = "avgpool"  # which trunk tap feeds the head
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = True) -> dict[str, jax.Array]:
-        taps = dict(self.trunk(x, train=train))
+    def __call__(
+        self, x: jax.Array | Sequence[jax.Array], train: bool = True
+    ) -> dict[str, jax.Array]:
+        if isinstance(x, (list, tuple)):
+            taps = self._multi_resolution(x, train)
+        else:
+            taps = dict(self.trunk(x, train=train))
         if self.head is not None:
             if self.head_input not in taps:
                 raise KeyError(
@@ -34,3 +46,13 @@ class TrunkAndHead(nn.Module):
                 )
             taps["head"] = self.head(taps[self.head_input], train=train)
         return taps
+
+    def _multi_resolution(self, inputs: Sequence[jax.Array], train: bool) -> dict[str, jax.Array]:
+        """The trunk on each input; the taps whose shapes agree across inputs (avgpool, not
+        the spatial maps of different resolutions) concatenated along the batch."""
+        per_input = [dict(self.trunk(x, train=train)) for x in inputs]
+        return {
+            name: jnp.concatenate([t[name] for t in per_input])
+            for name in per_input[0]
+            if len({t[name].shape[1:] for t in per_input}) == 1
+        }

@@ -1,0 +1,152 @@
+"""Crop groups: which augmented crops the training pipeline makes of each image.
+
+A crop group is a number of crops that share a size, a scale range and augmentation
+probabilities: SimCLR and MoCo take one group of two 224 px crops; SwAV two groups, 2x224 px
+(scale 0.14-1) and 6x96 px (scale 0.05-0.14) (Caron et al. 2020, Sec. 3.2; VISSL
+``ImgPilToMultiCrop`` with ``num_crops: [2, 6]``, ``size_crops: [224, 96]``,
+``crop_scales: [[0.14, 1], [0.05, 0.14]]``); BYOL and DINO need groups of equal size that
+differ in blur and solarisation (one crop per group).
+
+Config (``data.augment``), each per-group field given once for every group or once per group:
+
+  num_crops         crops per group, e.g. (2,) or (2, 6); its length is the number of groups
+  crop_sizes        side of each group's crops; () = ``data.image_size`` for every group
+  crop_scale        (min, max) area fraction, or one such pair per group
+  flip_prob, color_jitter_prob, grayscale_prob, blur_prob, solarize_prob
+                    tuples: one value for every group, or one per group (a command-line
+                    scalar, ``--config.data.augment.blur_prob=0.2``, is a 1-tuple)
+
+The batch carries one array per group, ``batch["crops"][g]`` of shape (N, num_crops[g],
+S_g, S_g, 3); crop j of example i is a function of (seed, epoch, dataset index, crop number),
+crop numbers running over the groups in order (group 0's crops first), so the views of an
+example stay aligned across groups and are the same on any number of processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from jssl.data import transforms
+
+PROB_FIELDS = ("flip_prob", "color_jitter_prob", "grayscale_prob", "blur_prob", "solarize_prob")
+
+
+class CropGroup(NamedTuple):
+    num_crops: int
+    size: int
+    scale: tuple[float, float]
+    flip_prob: float
+    color_jitter_prob: float
+    grayscale_prob: float
+    blur_prob: float
+    solarize_prob: float
+
+
+def _per_group(value, num_groups: int, field: str, example: str) -> list:
+    """``value`` (one for all groups, or one per group) as a list of ``num_groups`` values."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if len(values) == 1:
+        return values * num_groups
+    if len(values) != num_groups:
+        raise ValueError(
+            f"data.augment.{field}={tuple(values)} has {len(values)} values for "
+            f"{num_groups} crop group(s) (data.augment.num_crops): give one value for every "
+            f"group or one per group, e.g. --config.data.augment.{field}='{example}'."
+        )
+    return values
+
+
+def _scales(scale, num_groups: int) -> list[tuple[float, float]]:
+    """crop_scale as a (min, max) pair per group: one pair for all, or one pair per group."""
+    scale = tuple(scale)
+    if len(scale) == 2 and all(isinstance(s, (int, float)) for s in scale):
+        pairs = [scale] * num_groups
+    else:
+        pairs = _per_group(scale, num_groups, "crop_scale", "((0.14, 1.0), (0.05, 0.14))")
+    out = []
+    for pair in pairs:
+        pair = tuple(pair) if isinstance(pair, (list, tuple)) else (pair,)
+        if len(pair) != 2 or not 0 < pair[0] <= pair[1] <= 1:
+            raise ValueError(
+                f"data.augment.crop_scale={scale}: each group's scale must be a pair "
+                "(min, max) of area fractions with 0 < min <= max <= 1, e.g. (0.08, 1.0) "
+                "for every group or ((0.14, 1.0), (0.05, 0.14)) for two groups."
+            )
+        out.append((float(pair[0]), float(pair[1])))
+    return out
+
+
+def crop_groups(data_config) -> list[CropGroup]:
+    """The crop groups of ``data_config.augment``, validated (errors name the field)."""
+    augment = data_config.augment
+    num_crops = tuple(augment.num_crops)
+    if not num_crops or any(int(k) < 1 for k in num_crops):
+        raise ValueError(
+            f"data.augment.num_crops={num_crops} must list at least one group, each with >= 1 "
+            "crop: (2,) for two views, (2, 6) for SwAV's multi-crop."
+        )
+    groups = len(num_crops)
+    sizes = tuple(augment.crop_sizes) or (data_config.image_size,) * groups
+    sizes = _per_group(sizes, groups, "crop_sizes", "(224, 96)")
+    if any(int(s) < 1 for s in sizes):
+        raise ValueError(f"data.augment.crop_sizes={tuple(sizes)} must be positive pixel sides.")
+    scales = _scales(augment.crop_scale, groups)
+    probs = {}
+    for field in PROB_FIELDS:
+        values = _per_group(getattr(augment, field), groups, field, "(1.0, 0.1)")
+        if any(not 0.0 <= float(p) <= 1.0 for p in values):
+            raise ValueError(
+                f"data.augment.{field}={getattr(augment, field)}: probabilities lie in [0, 1]."
+            )
+        probs[field] = [float(p) for p in values]
+    return [
+        CropGroup(
+            int(num_crops[g]),
+            int(sizes[g]),
+            scales[g],
+            **{field: probs[field][g] for field in PROB_FIELDS},
+        )
+        for g in range(groups)
+    ]
+
+
+def total_crops(data_config) -> int:
+    return sum(g.num_crops for g in crop_groups(data_config))
+
+
+def make_crops(
+    image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
+) -> tuple[tf.Tensor, ...]:
+    """One example's crops: a (num_crops, S, S, 3) tensor per group.
+
+    ``seed`` is the example's seed; crop c (counted over all groups) gets the c-th of a
+    stateless split, so with one group of two crops the views are those of a two-view pipeline.
+    """
+    seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
+    out, c = [], 0
+    for group in groups:
+        views = []
+        for _ in range(group.num_crops):
+            views.append(transforms.ssl_view(image, seeds[c], group, augment))
+            c += 1
+        out.append(tf.stack(views))
+    return tuple(out)
+
+
+def synthetic_batch(data_config, batch_size: int, seed: int = 0) -> dict:
+    """A host batch of Gaussian noise shaped as the training pipeline's (every crop group),
+    for benchmarks and tests of the step that need no data."""
+    rs = np.random.RandomState(seed)
+    groups = crop_groups(data_config)
+    return {
+        "crops": tuple(
+            rs.normal(size=(batch_size, g.num_crops, g.size, g.size, 3)).astype(np.float32)
+            for g in groups
+        ),
+        "label": np.zeros(batch_size, np.int32),
+        "index": np.arange(batch_size),
+    }
