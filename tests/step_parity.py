@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--sync_bn", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--method", default="moco", choices=("moco", "simclr"))
+    p.add_argument("--method", default="moco", choices=("moco", "simclr", "swav"))
     args = p.parse_args()
 
     from jssl import parallel
@@ -33,12 +33,12 @@ def main() -> None:
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
-    from configs import moco, simclr
+    from configs import moco, simclr, swav
     from jssl import data, methods
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step
 
-    config = {"moco": moco, "simclr": simclr}[args.method].get_config("test")
+    config = {"moco": moco, "simclr": simclr, "swav": swav}[args.method].get_config("test")
     config.model.sync_bn = bool(args.sync_bn)
     # MoCo v2's head, T and lr, not the demo's BN projector: its output BN makes the trunk's
     # gradient a sum of nearly cancelling per-example terms on these noise images, so float32
@@ -52,6 +52,11 @@ def main() -> None:
     config.data.batch_size = 16
     if args.method == "moco":
         config.method.queue_size = 32  # two batches: the second step sees enqueued keys
+    if args.method == "swav":
+        # Multi-crop (2x16 px + 4x8 px); prototypes frozen for 2 steps; the queue (two
+        # batches) full after step 2 and on from step 2 (epoch 0.5 of 4 steps).
+        config.method.queue_length = 32
+        config.method.queue_start_epoch = 0.5
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch=4)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
@@ -75,6 +80,8 @@ def main() -> None:
         extra = {}
         if args.method == "moco":
             extra = dict(ema=ravel_pytree(host["ema"])[0], queue=host["method_state"]["queue"])
+        if args.method == "swav":
+            extra = dict(queue=host["method_state"]["queue"])
         np.savez(
             args.out,
             loss=np.array(losses),

@@ -111,3 +111,13 @@ def test_simclr_four_devices_match_one(tmp_path):
     four = _run(tmp_path / "four.npz", 4, "--method", "simclr")
     assert not np.allclose(one["loss"][0], one["loss"][1])
     _assert_same(one, four)
+
+
+def test_swav_four_devices_match_one(tmp_path):
+    """SwAV's Sinkhorn sums run over every device and each device feeds it its slice of the
+    queue (on from step 3 here): local sums or a whole queue per device would change the codes,
+    hence the loss, on 4 devices. Multi-crop (2x16 + 4x8 px), prototypes frozen for 2 steps."""
+    one = _run(tmp_path / "one.npz", 1, "--method", "swav", "--steps", "4")
+    four = _run(tmp_path / "four.npz", 4, "--method", "swav", "--steps", "4")
+    _assert_same(one, four)
+    np.testing.assert_allclose(one["queue"], four["queue"], rtol=1e-4, atol=1e-5)

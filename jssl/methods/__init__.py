@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-METHODS = ("moco", "simclr")
+METHODS = ("moco", "simclr", "swav")
 
 
 class LossOutput(NamedTuple):

@@ -1,0 +1,134 @@
+r"""SwAV pre-training (Caron et al. 2020), following VISSL's
+configs/config/pretrain/swav/swav_8node_resnet.yaml (400 epochs, batch 4096, multi-crop).
+
+  python launch.py --config=configs/swav.py --workdir=runs/swav \
+      --config.data.source=tfds --config.data.name=imagenet2012      # ImageNet, 400 epochs
+  python launch.py --config=configs/swav.py:demo --workdir=runs/swav_demo    # CPU, minutes
+
+Presets: "" / "imagenet" (the reference recipe), "demo" (small ResNet-18 on the built-in demo
+data, 2x32 px + 4x16 px crops; prints the kNN accuracy of learned vs random features), "test"
+(tiny). With small batches, SwAV's queue (``method.queue_length``, e.g. 3840 from epoch 15 at
+batch 256 as in the SwAV repository's README) keeps the equipartition meaningful.
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    c = base.get_base_config()
+    m = c.method
+    m.name = "swav"
+    # LOSS.swav_loss: temperature 0.1, epsilon 0.05, num_iters 3, crops_for_assign [0, 1],
+    # normalize_last_layer True, use_double_precision False, queue_length 0 / start_iter 0.
+    m.temperature = 0.1
+    m.epsilon = 0.05
+    m.sinkhorn_iterations = 3
+    m.crops_for_assign = (0, 1)
+    m.num_prototypes = (3000,)  # swav_head num_clusters [3000]; several sets: (3000, 3000, ...)
+    m.normalize_prototypes = True
+    m.use_double_precision = False  # needs JAX_ENABLE_X64=1
+    m.hard_assignment_iters = 0  # temp_hard_assignment_iters
+    m.freeze_prototypes_iters = 313  # TEMP_FROZEN_PARAMS_ITER_MAP prototypes0: 313 (1 epoch)
+    m.queue_length = 0  # 0: no queue; else a multiple of data.batch_size
+    m.queue_start_epoch = 15.0  # the SwAV paper's epoch_queue_starts (used when the queue is on)
+
+    # TRUNK resnet 50; swav_head dims [2048, 2048, 128] use_bn True; CONVERT_BN_TO_SYNC_BN True;
+    # AMP O1 (here: bfloat16 compute, float32 parameters).
+    c.model.trunk = "resnet50"
+    c.model.head_dims = (2048, 2048, 128)
+    c.model.head_bn = True
+    c.model.sync_bn = True
+    c.model.dtype = "bfloat16"
+
+    # BATCHSIZE_PER_REPLICA 64 x 64 GPUs; ImgPilToMultiCrop size_crops [224, 96], num_crops
+    # [2, 6], crop_scales [[0.14, 1], [0.05, 0.14]]; flip 0.5; ImgPilColorDistortion strength
+    # 1.0; ImgPilGaussianBlur p 0.5, radius 0.1-2.0.
+    c.data.source = "tfds"
+    c.data.name = "imagenet2012"
+    c.data.test_split = "validation"
+    c.data.batch_size = 4096
+    c.data.image_size = 224
+    a = c.data.augment
+    a.num_crops = (2, 6)
+    a.crop_sizes = (224, 96)
+    a.crop_scale = ((0.14, 1.0), (0.05, 0.14))
+    a.flip_prob = (0.5,)
+    a.color_strength = 1.0
+    a.blur_prob = (0.5,)
+    a.blur_sigma = (0.1, 2.0)
+
+    # OPTIMIZER sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8), weight_decay
+    # 1e-6, momentum 0.9, nesterov False, regularize_bn/bias True, num_epochs 400. lr:
+    # composite of linear 0.3 -> 4.8 over lengths[0] = 0.025 of the run (10 epochs), then
+    # cosine 4.8 -> 0.0048 with interval_scaling [rescaled, fixed]; auto_lr_scaling base_value
+    # 0.3 per 256 (4.8 at 4096), which rewrites the warmup start to the base rate at one node's
+    # batch (0.6 at 512).
+    c.num_epochs = 400
+    o = c.optim
+    o.name = "larc"
+    o.larc_clip = False
+    o.lars_eta = 0.001
+    o.larc_eps = 1e-8
+    o.trust_ratio_exclude = "none"
+    o.weight_decay = 1e-6
+    o.momentum = 0.9
+    o.nesterov = False
+    o.regularize_bn = True
+    o.regularize_bias = True
+    o.base_lr = 0.3
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.schedule = "cosine"
+    o.warmup_epochs = 10  # 0.025 * 400
+    o.warmup_start_nodes = 8
+    o.interval_scaling = "fixed"
+    o.final_lr_fraction = 0.001  # 0.0048 / 4.8
+    o.update_interval = "step"
+    c.checkpoint.every_steps = 1560  # CHECKPOINT_FREQUENCY 5 epochs at 312 steps/epoch
+    c.log_every_steps = 10  # LOG_FREQUENCY
+    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
+
+    if preset in ("", "imagenet"):
+        pass
+    elif preset in ("demo", "test"):
+        _demo(c)
+        if preset == "test":
+            base.tiny(c)
+            c.data.augment.crop_sizes = (16, 8)
+            c.method.num_prototypes = (8,)
+            c.method.freeze_prototypes_iters = 2
+            c.method.queue_length = 32  # two batches: on from the 3rd step of epoch 1
+            c.method.queue_start_epoch = 1.0
+    else:
+        raise ValueError(
+            f"Unknown preset {preset!r} of configs/swav.py: use '', 'imagenet', 'demo' or 'test'."
+        )
+    return c
+
+
+def _demo(c: ml_collections.ConfigDict) -> None:
+    """The demo data and network every method's demo uses; SwAV's multi-crop at demo sizes."""
+    base.demo_data_and_model(c)
+    c.model.dtype = "float32"
+    c.num_epochs = 3
+    c.model.head_dims = (128, 128, 64)
+    c.model.sync_bn = True
+    a = c.data.augment
+    a.num_crops = (2, 4)
+    a.crop_sizes = (32, 16)
+    a.crop_scale = ((0.3, 1.0), (0.1, 0.3))
+    m = c.method
+    m.num_prototypes = (30,)  # 3 per demo class, as 3000 is 3 per ImageNet class
+    m.freeze_prototypes_iters = 62  # one demo epoch, as VISSL's 313 is one ImageNet epoch
+    m.queue_length = 0
+    o = c.optim
+    o.name = "sgd"  # LARC's per-layer steps are made for lr 4.8 at batch 4096 (see SimCLR's demo)
+    o.base_lr = 0.12
+    o.warmup_epochs = 1
+    o.warmup_start_nodes = 0
+    o.warmup_start_lr = 0.0
+    o.interval_scaling = "rescaled"
+    o.final_lr_fraction = 0.0
+    o.weight_decay = 5e-4

@@ -1,0 +1,238 @@
+"""SwAV (Caron et al. 2020, "Unsupervised Learning of Visual Features by Contrasting Cluster
+Assignments"), as VISSL trains it (configs/config/pretrain/swav/swav_8node_resnet.yaml,
+vissl/losses/swav_loss.py, vissl/hooks/swav_hooks.py, vissl/models/heads/swav_prototypes_head.py).
+
+Per step: every crop of every image (crop groups, e.g. 2x224 + 6x96) goes through the online
+network, one trunk pass per resolution and the MLP projection head on all crops (VISSL's
+multi-resolution forward). The embeddings are L2-normalised and scored against each set of
+prototypes (``method.num_prototypes``; rows of unit norm, so the scores are cosines). For each
+prototype set, the codes of the ``crops_for_assign`` crops come from Sinkhorn-Knopp over the
+global batch (``jssl.losses.sinkhorn_knopp``: every sum over samples spans all devices), and
+every other crop predicts them (``jssl.losses.swav_loss``); the loss is the mean over
+prototype sets. After the optimizer step the prototypes are L2-normalised again (VISSL's
+NormalizePrototypesHook, ``normalize_prototypes``), and for the first
+``freeze_prototypes_iters`` steps the optimizer holds them fixed (VISSL
+TEMP_FROZEN_PARAMS_ITER_MAP).
+
+The queue (SwAV's small-batch option, ``queue_length`` > 0): the embeddings of the assignment
+crops of the last ``queue_length / batch_size`` global batches. From epoch
+``queue_start_epoch`` on, Sinkhorn also sees their scores against the current prototypes (no
+gradient), so the equipartition covers batch plus queue; the codes of the batch are kept.
+The queue is one replicated array; each device feeds Sinkhorn its own slice of it, so the
+queued samples, summed over devices, are the whole queue on any number of devices.
+
+Deliberate differences from VISSL:
+- The queue is filled from the first step and takes part once it holds ``queue_length`` real
+  embeddings and the start epoch is reached. VISSL starts filling at its ``start_iter`` and
+  uses the queue at once, random initial rows included; the SwAV repository (main_swav.py)
+  starts filling at the start epoch and uses the queue once full.
+- The queue is one global FIFO (replicated, each device reading its slice) instead of VISSL's
+  per-GPU queues; the set of queued embeddings is the same.
+- Prototypes are normalised at initialisation too, so the first step's scores are cosines
+  (the SwAV repository normalises before every forward, VISSL after every update).
+- Sinkhorn runs in the log domain (see ``jssl.losses.sinkhorn_knopp``); ``use_double_precision``
+  is kept and needs JAX_ENABLE_X64=1.
+- Per-device batch-norm running statistics are averaged over devices (``model.sync_bn=False``);
+  the ImageNet recipe uses synchronised BN as VISSL's does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jssl import losses, models
+from jssl.methods import LossOutput, Method, common
+from jssl.models.resnet import torch_linear_kernel_init
+from jssl.parallel import DATA_AXIS
+
+
+class Prototypes(nn.Module):
+    """One bias-free linear layer per prototype set (VISSL SwAVPrototypesHead
+    ``prototypes{i}``); kernels are (embedding dim, K), a prototype per column."""
+
+    num_prototypes: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, z: jax.Array) -> list[jax.Array]:
+        return [
+            nn.Dense(
+                k, use_bias=False, kernel_init=torch_linear_kernel_init, name=f"prototypes{i}"
+            )(z)
+            for i, k in enumerate(self.num_prototypes)
+        ]
+
+
+def normalize_prototypes(prototypes: Any) -> Any:
+    """Each prototype (a kernel column) scaled to unit L2 norm."""
+    return jax.tree.map(lambda w: losses.l2_normalize(w, axis=0), prototypes)
+
+
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
+    mcfg = config.method
+    model = models.build_model(
+        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
+    )
+    num_prototypes = tuple(int(k) for k in mcfg.num_prototypes)
+    prototypes = Prototypes(num_prototypes)
+    embedding_dim = config.model.head_dims[-1]
+    assign = tuple(int(c) for c in mcfg.crops_for_assign)
+    queue_length = int(mcfg.queue_length)
+    # Without the epoch length (evaluation engines) the queue is never used: eval mode.
+    queue_start = int(round(mcfg.queue_start_epoch * steps_per_epoch)) if steps_per_epoch else 0
+    normalize = mcfg.normalize_prototypes
+
+    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
+        model_rng, proto_rng = jax.random.split(rng)
+        variables = model.init(model_rng, images, train=False)
+        proto = prototypes.init(proto_rng, jnp.zeros((1, embedding_dim)))["params"]
+        if normalize:
+            proto = normalize_prototypes(proto)
+        method_state = {}
+        if queue_length:
+            method_state = {
+                "queue": jnp.zeros((len(assign), queue_length, embedding_dim), jnp.float32),
+                "queue_ptr": jnp.zeros((), jnp.int32),
+                "queue_filled": jnp.zeros((), jnp.int32),  # rows holding real embeddings
+            }
+        return dict(
+            params={**variables["params"], "prototypes": proto},
+            batch_stats=variables["batch_stats"],
+            method_state=method_state,
+        )
+
+    def local_queue(state) -> jax.Array:
+        """This device's slice of the replicated queue: (len(assign), L / devices, d)."""
+        queue = state.method_state["queue"]
+        size = queue.shape[1] // jax.lax.psum(1, DATA_AXIS)
+        start = jax.lax.axis_index(DATA_AXIS) * size
+        return jax.lax.dynamic_slice_in_dim(queue, start, size, axis=1)
+
+    def loss(params, state, batch, rng, train: bool = True):
+        count = common.num_crops(batch)
+        model_params = {k: v for k, v in params.items() if k != "prototypes"}
+        out, batch_stats = common.forward_crops(
+            model, model_params, state.batch_stats, batch["crops"], train
+        )
+        z = losses.l2_normalize(out["head"].astype(jnp.float32))  # (C * n, d), crop-major
+        scores = prototypes.apply({"params": params["prototypes"]}, z)
+        n = z.shape[0] // count
+
+        use_queue = train and queue_length > 0
+        if use_queue:
+            queued = jax.lax.stop_gradient(local_queue(state))
+            on = (state.step >= queue_start) & (state.method_state["queue_filled"] >= queue_length)
+            queue_scores = prototypes.apply(
+                {"params": jax.lax.stop_gradient(params["prototypes"])}, queued
+            )
+        hard = (state.step < mcfg.hard_assignment_iters) if train else False
+        total, per_example, metrics = 0.0, 0.0, {}
+        for i, set_scores in enumerate(scores):
+            value, set_metrics, set_per_example = losses.swav_loss(
+                common.split_crops(set_scores, count),
+                crops_for_assign=assign,
+                temperature=mcfg.temperature,
+                epsilon=mcfg.epsilon,
+                num_iters=mcfg.sinkhorn_iterations,
+                queue_scores=queue_scores[i] if use_queue else None,
+                use_queue=on if use_queue else False,
+                axis_name=DATA_AXIS,
+                hard_assignment=hard,
+                use_double_precision=mcfg.use_double_precision,
+            )
+            total, per_example = total + value, per_example + set_per_example
+            suffix = "" if len(scores) == 1 else str(i)
+            metrics.update({f"{k}{suffix}": v for k, v in set_metrics.items()})
+        if use_queue:
+            metrics["queue_on"] = on.astype(jnp.float32)
+        carry = None
+        if use_queue:
+            # Every replica enqueues the assignment crops of the global batch.
+            new = jax.lax.stop_gradient(jnp.stack([z[c * n : (c + 1) * n] for c in assign]))
+            carry = {"queue": jax.lax.all_gather(new, DATA_AXIS, axis=1, tiled=True)}  # (A, N, d)
+        return total / len(scores), LossOutput(
+            metrics=metrics,
+            batch_stats=batch_stats,
+            carry=carry,
+            features=out["avgpool"][:n],
+            embeddings=z[:n],
+            per_example_loss=per_example / len(scores),
+        )
+
+    def after_update(state, carry):
+        params = state.params
+        if normalize:
+            params = dict(params, prototypes=normalize_prototypes(params["prototypes"]))
+        method_state = state.method_state
+        if carry is not None:
+            queue, ptr = method_state["queue"], method_state["queue_ptr"]
+            new = carry["queue"]  # (A, global batch, d)
+            # queue_length % global batch == 0 is checked at start-up: no write wraps.
+            queue = jax.lax.dynamic_update_slice(queue, new.astype(queue.dtype), (0, ptr, 0))
+            method_state = {
+                "queue": queue,
+                "queue_ptr": (ptr + new.shape[1]) % queue.shape[1],
+                "queue_filled": jnp.minimum(
+                    method_state["queue_filled"] + new.shape[1], queue.shape[1]
+                ),
+            }
+        return state.replace(params=params, method_state=method_state)
+
+    frozen = (("prototypes", int(mcfg.freeze_prototypes_iters)),)
+    return Method(
+        init=init,
+        loss=loss,
+        after_update=after_update,
+        model=model,
+        frozen_params=frozen if mcfg.freeze_prototypes_iters > 0 else (),
+    )
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Start-up checks that would otherwise fail deep inside the step (or silently)."""
+    from jssl import data
+
+    mcfg = config.method
+    total = data.total_crops(config.data)
+    assign = tuple(mcfg.crops_for_assign)
+    if total < 2:
+        raise ValueError(
+            f"data.augment.num_crops={tuple(config.data.augment.num_crops)}: SwAV predicts the "
+            "codes of one crop from the others, so it needs at least two crops per image."
+        )
+    if not assign or any(not 0 <= int(c) < total for c in assign) or len(set(assign)) < len(assign):
+        raise ValueError(
+            f"method.crops_for_assign={assign} must name distinct crop indices in [0, {total}) "
+            f"(there are {total} crops, data.augment.num_crops="
+            f"{tuple(config.data.augment.num_crops)}); SwAV assigns from the two large crops, "
+            "--config.method.crops_for_assign='(0, 1)'."
+        )
+    if not tuple(mcfg.num_prototypes) or any(int(k) < 1 for k in mcfg.num_prototypes):
+        raise ValueError(
+            f"method.num_prototypes={tuple(mcfg.num_prototypes)} must list one or more positive "
+            "prototype counts (SwAV on ImageNet: (3000,))."
+        )
+    for field in ("temperature", "epsilon"):
+        if mcfg[field] <= 0:
+            raise ValueError(f"method.{field}={mcfg[field]} must be positive.")
+    if mcfg.sinkhorn_iterations < 1:
+        raise ValueError(
+            f"method.sinkhorn_iterations={mcfg.sinkhorn_iterations} must be >= 1 (SwAV: 3)."
+        )
+    queue, batch = mcfg.queue_length, config.data.batch_size
+    if queue < 0 or (queue and queue % batch):
+        raise ValueError(
+            f"method.queue_length={queue} must be 0 (no queue) or a multiple of "
+            f"data.batch_size={batch} (whole global batches are enqueued), e.g. "
+            f"--config.method.queue_length={max(1, round(queue / batch)) * batch}."
+        )
+    if mcfg.use_double_precision and not jax.config.read("jax_enable_x64"):
+        raise ValueError(
+            "method.use_double_precision=True needs float64 in JAX: launch with "
+            "JAX_ENABLE_X64=1, or keep it False (the log-domain Sinkhorn does not underflow "
+            "in float32)."
+        )
