@@ -303,10 +303,11 @@ class _Engine:
         return dataset.as_numpy_iterator()
 
     def step(self, state, host_batch: dict, step: int):
+        config = self.config
         if "replaced" in host_batch:  # data.skip_corrupt
             self.replaced += int(np.sum(host_batch.pop("replaced")))
         if step == 0:
-            summaries.write_views(self.writer, host_batch["views"], self.config.data.augment)
+            summaries.write_views(self.writer, host_batch["views"], config.data.augment)
         batch = parallel.host_batch_to_global(host_batch, self.mesh)
         stop = stop_flags(self.mesh, self.sigterm.requested)
         return self.train_step(state, batch, stop)
