@@ -14,8 +14,8 @@ Those features are of the evaluation view (resize + centre crop), so this fast m
 without VISSL's random crops and flips and scores differently: on the demo, res4 reached
 96.3% top-1 from cached features and 86.1% with crops (6 epochs each).
 
-The loop follows the train engine: one jitted, state-donating step over the mesh, a
-checkpoint of the (small) head state at the end of every epoch and every
+The loop is the train engine's (jssl.engines.loop): one jitted, state-donating step over the
+mesh, a checkpoint of the (small) head state at the end of every epoch and every
 ``checkpoint.every_steps``, and a restart with the same workdir resumes where it left off.
 """
 
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
-from clu import periodic_actions
 
-from jssl import checkpoint, data, linear, optim, parallel, pooling, summaries
+from jssl import checkpoint, data, linear, optim, parallel, pooling
 from jssl.engines import evaluate
+from jssl.engines import loop as engine_loop
 
 PyTree = Any
 
@@ -56,18 +56,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     heads = linear.LinearHeads(
         layers, lcfg.num_classes, bn_axis_name=parallel.DATA_AXIS if lcfg.sync_bn else None
     )
-    steps_per_epoch = inputs.steps_per_epoch
-    total_steps = steps_per_epoch * config.num_epochs
-    schedule = optim.build_schedule(
-        config.optim,
-        steps_per_epoch=steps_per_epoch,
-        num_epochs=config.num_epochs,
-        global_batch=config.data.batch_size,
-    )
+    plan = engine_loop.Plan.from_config(config, inputs.steps_per_epoch)
+    tx, schedule = _optimizer(config, heads, inputs.shapes, plan.steps_per_epoch)
     rng = jax.random.PRNGKey(config.seed)
-    sample = {k: jax.ShapeDtypeStruct((1, *s), jnp.float32) for k, s in inputs.shapes.items()}
-    params_shape = jax.eval_shape(functools.partial(heads.init, train=False), rng, sample)
-    tx = optim.build_optimizer(config.optim, params_shape["params"], schedule)
     state = jax.jit(
         lambda: linear.init_state(heads, tx, inputs.shapes, rng),
         out_shardings=parallel.replicated(mesh),
@@ -80,71 +71,35 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     train_step = linear.make_train_step(heads, tx, schedule, mesh, inputs.features_fn)
     eval_step = linear.make_eval_step(heads, mesh, inputs.features_fn)
     trunk = inputs.trunk_variables
-
-    def test() -> dict[str, dict[str, float]]:
-        totals = None
-        for batch in inputs.test_batches():
-            out = eval_step(state, trunk, parallel.host_batch_to_global(batch, mesh))
-            totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
-        if totals is None:
-            raise ValueError(f"The test split {config.data.test_split!r} is empty.")
-        totals = jax.device_get(totals)
-        count = max(int(totals["count"]), 1)
-        return {
-            layer: {k: 100.0 * float(v) / count for k, v in totals[layer].items()}
-            for layer in layers
-        }
-
+    test = functools.partial(_test, config, eval_step, trunk, inputs, mesh)
     writer = evaluate.make_writer(workdir)
-    report = periodic_actions.ReportProgress(
-        num_train_steps=total_steps, writer=writer, every_steps=config.log_every_steps
+
+    def train_batch(state, host_batch: dict, steps_done: int):
+        return train_step(state, trunk, parallel.host_batch_to_global(host_batch, mesh))
+
+    def save(state, position: checkpoint.DataPosition, force: bool) -> None:
+        checkpoint.save(manager, state, position, force=force)
+
+    def test_phase(state, step: int, epochs: int) -> None:
+        if epochs == plan.num_epochs or step >= plan.max_steps:
+            return  # the final heads are tested after the loop
+        scores = test(state)
+        logging.info("Test after epoch %d: %s", epochs, scores)
+        writer.write_scalars(step, _test_scalars(scores))
+
+    hooks = engine_loop.Hooks(
+        batches=inputs.train_batches,
+        step=train_batch,
+        write_metrics=functools.partial(_write_metrics, writer),
+        save=save,
+        test=test_phase,
     )
-    step = int(jax.device_get(state.step))
-    max_steps = config.debug.max_steps if config.debug.max_steps > 0 else total_steps
-    pending: list[dict[str, jax.Array]] = []
-
-    def write_train_metrics():
-        scalars = summaries.mean_metrics(pending)
-        if not np.isfinite(scalars["loss"]):
-            raise FloatingPointError(
-                f"The linear heads' loss is {scalars['loss']} at step {step}; lower "
-                "--config.optim.base_lr."
-            )
-        writer.write_scalars(step, {f"train/{k}": v for k, v in scalars.items()})
-        pending.clear()
-
-    for epoch in range(position.epoch, config.num_epochs):
-        if step >= max_steps:
-            break
-        start = position.step_in_epoch if epoch == position.epoch else 0
-        step_in_epoch = start - 1
-        for step_in_epoch, batch in enumerate(inputs.train_batches(epoch, start), start):
-            state, metrics = train_step(state, trunk, parallel.host_batch_to_global(batch, mesh))
-            step += 1
-            pending.append(metrics)
-            report(step)
-            if step % config.log_every_steps == 0 or step == max_steps:
-                write_train_metrics()
-            next_pos = _position_after(epoch, step_in_epoch, steps_per_epoch)
-            every = config.checkpoint.every_steps
-            if every > 0 and step % every == 0 and next_pos.step_in_epoch != 0:
-                checkpoint.save(manager, state, next_pos)
-            if step >= max_steps:
-                break
-        if pending:
-            write_train_metrics()
-        next_pos = _position_after(epoch, step_in_epoch, steps_per_epoch)
-        checkpoint.save(manager, state, next_pos, force=True)
-        last = epoch + 1 == config.num_epochs or step >= max_steps
-        due = config.test_every_epochs > 0 and (epoch + 1) % config.test_every_epochs == 0
-        if due and not last and next_pos.epoch == epoch + 1:
-            scores = test()
-            logging.info("Test after epoch %d: %s", epoch + 1, scores)
-            writer.write_scalars(step, _test_scalars(scores))
+    loop = engine_loop.Loop(plan, hooks, writer, write_window_at_epoch_end=True)
+    state, step = loop.run(state, position, int(jax.device_get(state.step)))
     checkpoint.finish(manager)
     manager.close()
 
-    results = test()
+    results = test(state)
     for layer, scores in results.items():
         logging.info(
             "Linear eval %s: top-1 %.2f, top-5 %.2f", layer, scores["top1"], scores["top5"]
@@ -153,6 +108,47 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     writer.flush()
     evaluate.write_results(workdir, results)
     return {"results": results, "step": step, "state": state, "trunk_variables": trunk}
+
+
+def _optimizer(config: ml_collections.ConfigDict, heads: linear.LinearHeads, shapes, steps):
+    """The heads' optax transformation and its learning-rate schedule (``steps`` per epoch)."""
+    schedule = optim.build_schedule(
+        config.optim,
+        steps_per_epoch=steps,
+        num_epochs=config.num_epochs,
+        global_batch=config.data.batch_size,
+    )
+    rng = jax.random.PRNGKey(config.seed)
+    sample = {k: jax.ShapeDtypeStruct((1, *s), jnp.float32) for k, s in shapes.items()}
+    params_shape = jax.eval_shape(functools.partial(heads.init, train=False), rng, sample)
+    return optim.build_optimizer(config.optim, params_shape["params"], schedule), schedule
+
+
+def _write_metrics(writer, state, progress: engine_loop.Progress, window: engine_loop.Window):
+    """Writes a window's mean training metrics; a non-finite loss ends the run."""
+    scalars = window.mean()
+    if not np.isfinite(scalars["loss"]):
+        raise FloatingPointError(
+            f"The linear heads' loss is {scalars['loss']} at step {progress.step}; lower "
+            "--config.optim.base_lr."
+        )
+    writer.write_scalars(progress.step, {f"train/{k}": v for k, v in scalars.items()})
+
+
+def _test(config, eval_step, trunk, inputs: _Inputs, mesh, state) -> dict[str, dict[str, float]]:
+    """Top-1 and top-5 (in %) of every head on the test split."""
+    totals = None
+    for batch in inputs.test_batches():
+        out = eval_step(state, trunk, parallel.host_batch_to_global(batch, mesh))
+        totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
+    if totals is None:
+        raise ValueError(f"The test split {config.data.test_split!r} is empty.")
+    totals = jax.device_get(totals)
+    count = max(int(totals["count"]), 1)
+    return {
+        layer: {k: 100.0 * float(v) / count for k, v in totals[layer].items()}
+        for layer in config.linear.layers
+    }
 
 
 @dataclasses.dataclass
@@ -272,9 +268,3 @@ def _cached_inputs(config: ml_collections.ConfigDict) -> _Inputs:
 
 def _test_scalars(results: dict[str, dict[str, float]]) -> dict[str, float]:
     return {f"test/{layer}/{k}": v for layer, scores in results.items() for k, v in scores.items()}
-
-
-def _position_after(epoch: int, step_in_epoch: int, steps_per_epoch: int):
-    if step_in_epoch + 1 >= steps_per_epoch:
-        return checkpoint.DataPosition(epoch + 1, 0)
-    return checkpoint.DataPosition(epoch, step_in_epoch + 1)

@@ -4,13 +4,17 @@ Phases: a train epoch, then (every ``test_every_epochs``) a test phase with the 
 loss and the kNN monitor. clu periodic actions and one metric writer stand in for VISSL's
 hooks; orbax checkpoints at the end of each epoch, every ``checkpoint.every_steps`` and on
 SIGTERM; a restart with the same workdir resumes where the last checkpoint left off.
+
+The epochs and the timing of that periodic work are the shared loop's (jssl.engines.loop);
+this module sets the run up, says what each piece of work does for pre-training (``_Engine``)
+and writes the final summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -33,6 +37,7 @@ from jssl import (
     train_state,
     warm_start,
 )
+from jssl.engines import loop as engine_loop
 from jssl.engines import monitor, preemption
 from jssl.train_step import make_forward, make_train_step, stop_flags
 
@@ -116,6 +121,64 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str, Any]:
     mesh = parallel.make_mesh()
+    steps_per_epoch = _steps_per_epoch(config)
+    method = methods.get(config, steps_per_epoch)
+    tx, schedule = make_optimizer(config, method, steps_per_epoch)
+    manager, state, position, resumed = _start_state(config, workdir, method, tx, mesh)
+    writer = metric_writers.create_default_writer(
+        os.path.join(workdir, "tensorboard"), just_logging=jax.process_index() > 0
+    )
+    forward = make_forward(method, mesh)
+    summary = _first_summaries(config, workdir, writer, forward, state, mesh, resumed)
+
+    engine = _Engine(
+        config=config,
+        workdir=workdir,
+        mesh=mesh,
+        manager=manager,
+        writer=writer,
+        steps_per_epoch=steps_per_epoch,
+        train_step=make_train_step(
+            method, tx, schedule, mesh, probe_config=config if probe.enabled(config) else None
+        ),
+        eval_step=monitor.make_test_step(config, method, mesh),
+        forward=forward,
+        sigterm=sigterm,
+    )
+    loop = engine_loop.Loop(
+        engine_loop.Plan.from_config(config, steps_per_epoch),
+        engine.hooks(),
+        writer,
+        agreed_stop=True,
+    )
+    state, _ = loop.run(state, position, int(jax.device_get(state.step)))
+    return _finish(config, engine, state, stopped=loop.stopped, summary=summary)
+
+
+def _finish(config, engine: _Engine, state, *, stopped: bool, summary: dict[str, Any]):
+    """Waits for the last checkpoint, completes the summary (the final kNN accuracy unless
+    the run was preempted) and closes the writer and the checkpoint manager."""
+    step = int(jax.device_get(state.step))
+    checkpoint.finish(engine.manager)
+    engine.check_finite(state)
+    summary["step"] = step
+    if stopped:
+        logging.warning(
+            "Stopped by SIGTERM at step %d after saving a checkpoint; rerun the same command "
+            "to resume (exit status %d).",
+            step,
+            preemption.PREEMPTED_EXIT_CODE,
+        )
+        summary["preempted"] = True
+    elif config.knn.enabled:
+        _final_knn(config, engine, state, step, summary)
+    engine.writer.flush()
+    engine.manager.close()
+    summary["state"] = state
+    return summary
+
+
+def _steps_per_epoch(config: ml_collections.ConfigDict) -> int:
     steps_per_epoch = data.steps_per_epoch(config.data, jax.process_count())
     if steps_per_epoch < 1:
         raise ValueError(
@@ -123,11 +186,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str
             f"examples, fewer than one global batch (data.batch_size={config.data.batch_size}); "
             "lower --config.data.batch_size or use more data (data.train_subset)."
         )
-    total_steps = steps_per_epoch * config.num_epochs
-    method = methods.get(config, steps_per_epoch)
-    tx, schedule = make_optimizer(config, method, steps_per_epoch)
-    state = init_state(config, method, tx, mesh)
+    return steps_per_epoch
 
+
+def _start_state(config: ml_collections.ConfigDict, workdir: str, method, tx, mesh):
+    """The state to train from, in the resume order: the workdir's own checkpoint, then
+    init.checkpoint, then scratch. Returns (manager, state, data position, resumed)."""
+    state = init_state(config, method, tx, mesh)
     manager, state, position, resumed = checkpoint.resume(workdir, config.checkpoint, state)
     if resumed:
         logging.info(
@@ -137,14 +202,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str
             position.step_in_epoch,
         )
     elif config.init.checkpoint:
-        # The resume order: the workdir's own checkpoint, then init.checkpoint, then scratch.
         state = warm_start.init_train_state(config, state)
+    return manager, state, position, resumed
 
-    writer = metric_writers.create_default_writer(
-        os.path.join(workdir, "tensorboard"), just_logging=jax.process_index() > 0
-    )
+
+def _first_summaries(config, workdir, writer, forward, state, mesh, resumed) -> dict[str, Any]:
+    """Writes what a run records before its first step (the parameter overview, the kNN
+    baseline); returns the summary started with that baseline."""
     summary: dict[str, Any] = {}
-    forward = make_forward(method, mesh)
     if not resumed:
         overview = parameter_overview.get_parameter_overview(state.params)
         logging.info("Parameters of the online network:\n%s", overview)
@@ -153,47 +218,6 @@ def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str
         baseline = _knn_baseline(config, forward, state, mesh, workdir, writer, resumed)
         if baseline is not None:
             summary["knn_random_init"] = baseline
-
-    loop = _Loop(
-        config=config,
-        workdir=workdir,
-        mesh=mesh,
-        manager=manager,
-        writer=writer,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        train_step=make_train_step(
-            method, tx, schedule, mesh, probe_config=config if probe.enabled(config) else None
-        ),
-        eval_step=monitor.make_test_step(config, method, mesh),
-        forward=forward,
-        sigterm=sigterm,
-    )
-    state, test = loop.run(state, position)
-    step = int(jax.device_get(state.step))
-
-    checkpoint.finish(manager)
-    loop.check_finite(state)
-    summary["step"] = step
-    if loop.stopped:
-        logging.warning(
-            "Stopped by SIGTERM at step %d after saving a checkpoint; rerun the same command "
-            "to resume (exit status %d).",
-            step,
-            preemption.PREEMPTED_EXIT_CODE,
-        )
-        summary["preempted"] = True
-    elif config.knn.enabled:
-        if loop.tested_at == step:  # the last test phase already measured this very state
-            summary["knn"] = {k[4:]: v for k, v in test.items() if k.startswith("knn_")}
-        else:
-            summary["knn"] = monitor.knn_eval(config, forward, state, mesh)
-        writer.write_scalars(step, {f"knn/{k}": v for k, v in summary["knn"].items()})
-        if "knn_random_init" in summary:
-            _print_knn_comparison(config, summary)
-    writer.flush()
-    manager.close()
-    summary["state"] = state
     return summary
 
 
@@ -210,10 +234,22 @@ def _knn_baseline(config, forward, state, mesh, workdir, writer, resumed) -> dic
     return baseline
 
 
+def _final_knn(config, engine: _Engine, state, step: int, summary: dict[str, Any]) -> None:
+    """The kNN accuracy of the trained state, reusing the last test phase's when it measured
+    this very state."""
+    if engine.tested_at == step:
+        summary["knn"] = {k[4:]: v for k, v in engine.last_test.items() if k.startswith("knn_")}
+    else:
+        summary["knn"] = monitor.knn_eval(config, engine.forward, state, engine.mesh)
+    engine.writer.write_scalars(step, {f"knn/{k}": v for k, v in summary["knn"].items()})
+    if "knn_random_init" in summary:
+        _print_knn_comparison(config, summary)
+
+
 @dataclasses.dataclass
-class _Loop:
-    """The epochs of one run: train steps, logging windows, checkpoints, test phases and
-    the agreed SIGTERM stop. ``run`` threads the state through and returns it."""
+class _Engine:
+    """What the train engine does at each point of the shared loop (jssl.engines.loop):
+    its batches and step, its logged metrics, its checkpoints and its test phase."""
 
     config: ml_collections.ConfigDict
     workdir: str
@@ -221,13 +257,27 @@ class _Loop:
     manager: Any
     writer: Any
     steps_per_epoch: int
-    total_steps: int
     train_step: Any
     eval_step: Any
     forward: Any
     sigterm: preemption.Preemption
-    stopped: bool = False  # the agreed SIGTERM stop happened
     tested_at: int = -1  # step of the last test phase
+    last_test: dict = dataclasses.field(default_factory=dict)  # its results
+    replaced: int = 0  # rows of this epoch standing in for unreadable examples
+
+    def hooks(self) -> engine_loop.Hooks:
+        actions = []
+        if self.config.debug.profile:
+            actions.append(periodic_actions.Profile(logdir=self.workdir, num_profile_steps=5))
+        return engine_loop.Hooks(
+            batches=self.batches,
+            step=self.step,
+            write_metrics=self.write_metrics,
+            save=self.save,
+            test=self.test,
+            end_of_epoch=self.report_replaced,
+            actions=actions,
+        )
 
     def check_finite(self, state) -> None:
         bad = int(jax.device_get(state.nonfinite_step))
@@ -241,58 +291,9 @@ class _Loop:
                 "--config.debug.nans=True to find the op."
             )
 
-    def save(self, state, position: checkpoint.DataPosition, force: bool = False) -> None:
-        self.check_finite(state)
-        checkpoint.save(self.manager, state, position, force=force)
-
-    def run(self, state, position: checkpoint.DataPosition):
+    def batches(self, epoch: int, start: int) -> Iterator[dict]:
         config = self.config
-        report = periodic_actions.ReportProgress(
-            num_train_steps=self.total_steps,
-            writer=self.writer,
-            every_steps=config.log_every_steps,
-        )
-        hooks = [report]
-        if config.debug.profile:
-            hooks.append(periodic_actions.Profile(logdir=self.workdir, num_profile_steps=5))
-        step = int(jax.device_get(state.step))
-        max_steps = config.debug.max_steps if config.debug.max_steps > 0 else self.total_steps
-        test: dict = {}
-        for epoch in range(position.epoch, config.num_epochs):
-            if step >= max_steps:  # a rerun of a run that already reached debug.max_steps
-                break
-            start = position.step_in_epoch if epoch == position.epoch else 0
-            state, step, last = self.train_epoch(state, epoch, start, step, max_steps, hooks)
-            next_pos = _position_after(epoch, last, self.steps_per_epoch)
-            self.save(state, next_pos, force=True)
-            # The test phase follows every completed epoch, the last one included
-            # (max_steps defaults to the total, so reaching it is not in itself an early
-            # stop); a preempted run leaves as fast as it can.
-            epoch_done = next_pos.epoch == epoch + 1
-            every = config.test_every_epochs
-            test_due = every > 0 and (epoch + 1) % every == 0
-            if epoch_done and test_due and not self.stopped:
-                test = monitor.test_phase(
-                    config,
-                    self.eval_step,
-                    self.forward,
-                    state,
-                    self.mesh,
-                    workdir=self.workdir,
-                    epoch=epoch + 1,
-                    writer=self.writer,
-                    step=step,
-                )
-                self.writer.write_scalars(step, {f"test/{k}": v for k, v in test.items()})
-                self.tested_at = step
-            if self.stopped or step >= max_steps:
-                break
-        return state, test
-
-    def train_epoch(self, state, epoch, start, step, max_steps, hooks):
-        """Trains from batch ``start`` of ``epoch``; returns (state, step, last batch index)."""
-        config = self.config
-        batches = data.build_train_dataset(
+        dataset = data.build_train_dataset(
             config.data,
             seed=config.seed,
             epoch=epoch,
@@ -300,55 +301,52 @@ class _Loop:
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-        pending: list[dict[str, jax.Array]] = []
-        previous = None  # the metrics of the step before, whose "stop" the loop reads
-        window_start, window_steps = time.perf_counter(), 0
-        replaced = 0  # rows standing in for unreadable examples (data.skip_corrupt)
-        step_in_epoch = start - 1  # the last batch trained, for _position_after
-        for step_in_epoch, host_batch in enumerate(batches.as_numpy_iterator(), start):
-            if "replaced" in host_batch:
-                replaced += int(np.sum(host_batch.pop("replaced")))
-            if step == 0:
-                summaries.write_views(self.writer, host_batch["crops"], config.data.augment)
-            batch = parallel.host_batch_to_global(host_batch, self.mesh)
-            stop = stop_flags(self.mesh, self.sigterm.requested)
-            state, metrics = self.train_step(state, batch, stop)
-            step += 1
-            window_steps += 1
-            pending.append(metrics)
-            for hook in hooks:
-                hook(step)
-            if step % config.log_every_steps == 0 or step == max_steps:
-                self.check_finite(state)
-                checkpoint.check_for_errors(self.manager)
-                elapsed = time.perf_counter() - window_start
-                scalars = summaries.mean_metrics(pending)
-                scalars.pop("stop", None)
-                scalars["images_per_sec"] = (
-                    window_steps * config.data.batch_size / max(elapsed, 1e-9)
-                )
-                scalars["epoch"] = epoch + (step_in_epoch + 1) / self.steps_per_epoch
-                self.writer.write_scalars(step, scalars)
-                pending, window_steps, window_start = [], 0, time.perf_counter()
-            next_pos = _position_after(epoch, step_in_epoch, self.steps_per_epoch)
-            every = config.checkpoint.every_steps
-            if every > 0 and step % every == 0 and next_pos.step_in_epoch != 0:
-                self.save(state, next_pos)
-            # Every process reads the same agreed flag of the same step, so all of them stop
-            # after the same step (this one); reading the step before keeps one in flight.
-            if previous is not None and int(previous["stop"]):
-                self.stopped = True
-            previous = metrics
-            if self.stopped or step >= max_steps:
-                break
-        if previous is not None and int(previous["stop"]):
-            self.stopped = True
-        self._report_replaced(epoch, step, replaced)
-        return state, step, step_in_epoch
+        self.replaced = 0
+        return dataset.as_numpy_iterator()
 
-    def _report_replaced(self, epoch: int, step: int, replaced: int) -> None:
+    def step(self, state, host_batch: dict, step: int):
+        config = self.config
+        if "replaced" in host_batch:  # data.skip_corrupt
+            self.replaced += int(np.sum(host_batch.pop("replaced")))
+        if step == 0:
+            summaries.write_views(self.writer, host_batch["crops"], config.data.augment)
+        batch = parallel.host_batch_to_global(host_batch, self.mesh)
+        stop = stop_flags(self.mesh, self.sigterm.requested)
+        return self.train_step(state, batch, stop)
+
+    def write_metrics(self, state, progress: engine_loop.Progress, window: engine_loop.Window):
+        self.check_finite(state)
+        checkpoint.check_for_errors(self.manager)
+        elapsed = window.seconds()
+        scalars = window.mean()
+        images = len(window) * self.config.data.batch_size
+        scalars["images_per_sec"] = images / max(elapsed, 1e-9)
+        scalars["epoch"] = progress.epochs
+        self.writer.write_scalars(progress.step, scalars)
+
+    def save(self, state, position: checkpoint.DataPosition, force: bool = False) -> None:
+        self.check_finite(state)
+        checkpoint.save(self.manager, state, position, force=force)
+
+    def test(self, state, step: int, epochs: int) -> None:
+        self.last_test = monitor.test_phase(
+            self.config,
+            self.eval_step,
+            self.forward,
+            state,
+            self.mesh,
+            workdir=self.workdir,
+            epoch=epochs,
+            writer=self.writer,
+            step=step,
+        )
+        self.writer.write_scalars(step, {f"test/{k}": v for k, v in self.last_test.items()})
+        self.tested_at = step
+
+    def report_replaced(self, epoch: int, step: int) -> None:
         if not self.config.data.skip_corrupt:
             return
+        replaced = self.replaced
         if jax.process_count() > 1:
             replaced = int(np.sum(multihost_utils.process_allgather(np.int64(replaced))))
         if replaced:
@@ -359,12 +357,6 @@ class _Loop:
                 replaced,
             )
         self.writer.write_scalars(step, {"data/skipped_examples": replaced})
-
-
-def _position_after(epoch: int, step_in_epoch: int, steps_per_epoch: int):
-    if step_in_epoch + 1 >= steps_per_epoch:
-        return checkpoint.DataPosition(epoch + 1, 0)
-    return checkpoint.DataPosition(epoch, step_in_epoch + 1)
 
 
 def _print_knn_comparison(config, summary) -> None:
