@@ -2,11 +2,13 @@ r"""Images/s, compile time and peak memory of the train step, per method, model 
 
   python benchmarks/train_step.py                         # all cases on the present devices
   python benchmarks/train_step.py --cases=r18_32 --steps=5
-  python benchmarks/train_step.py --methods=moco,simclr --cases=r18_32 --dtypes=float32
+  python benchmarks/train_step.py --methods=moco,simclr,swav --cases=r18_32 --dtypes=float32
   python benchmarks/train_step.py --compare_cpu_flags     # jssl's CPU XLA flags vs XLA's defaults
 
 Cases: r18_32 = ResNet-18 (CIFAR stem) at 32 px, global batch 256; r50_224 = ResNet-50 at
-224 px, global batch 32; each in float32 and bfloat16. Synthetic inputs, so this measures the
+224 px, global batch 32; each in float32 and bfloat16. SwAV adds its multi-crop: 2 crops at the
+case's size + 6 small ones (16 px for r18_32, 96 px for r50_224), so its images/s count images
+of 8 crops. Synthetic inputs, so this measures the
 step alone (benchmarks/input_pipeline.py measures the data). Each case runs in its own
 process so that compile caches and XLA flags do not leak between cases.
 """
@@ -20,8 +22,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {
-    "r18_32": dict(trunk="resnet18", cifar_stem=True, image_size=32, batch=256, head=512),
-    "r50_224": dict(trunk="resnet50", cifar_stem=False, image_size=224, batch=32, head=2048),
+    "r18_32": dict(trunk="resnet18", cifar_stem=True, image_size=32, small=16, batch=256, head=512),
+    "r50_224": dict(
+        trunk="resnet50", cifar_stem=False, image_size=224, small=96, batch=32, head=2048
+    ),
 }
 
 
@@ -30,13 +34,13 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     sys.path.insert(0, ROOT)
     import jax
 
-    from configs import moco, simclr
+    from configs import moco, simclr, swav
     from jssl import data, methods, parallel
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step, stop_flags
 
     spec = CASES[case]
-    config = {"moco": moco, "simclr": simclr}[method_name].get_config()
+    config = {"moco": moco, "simclr": simclr, "swav": swav}[method_name].get_config()
     config.model.trunk = spec["trunk"]
     config.model.cifar_stem = spec["cifar_stem"]
     config.model.head_dims = (spec["head"], 2048, 128)
@@ -45,8 +49,10 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     config.data.batch_size = spec["batch"]
     if method_name == "moco":
         config.method.queue_size = 16384
+    if method_name == "swav":
+        config.data.augment.crop_sizes = (spec["image_size"], spec["small"])
     mesh = parallel.make_mesh()
-    method = methods.get(config)
+    method = methods.get(config, steps_per_epoch=1000)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)
     state = init_state(config, method, tx, mesh)
     step = make_train_step(method, tx, schedule, mesh)
@@ -104,7 +110,7 @@ def main() -> None:
     p.add_argument("--cases", default="r18_32,r50_224")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr")
+    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr,swav")
     p.add_argument("--compare_cpu_flags", action="store_true")
     p.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -99,8 +99,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             c.data.augment.crop_sizes = (16, 8)
             c.method.num_prototypes = (8,)
             c.method.freeze_prototypes_iters = 2
-            c.method.queue_length = 32  # two batches: on from the 3rd step of epoch 1
-            c.method.queue_start_epoch = 1.0
+            c.method.queue_length = 32  # two batches: full after step 2
+            c.method.queue_start_epoch = 0.5  # step 2 of the 4 steps of an epoch
     else:
         raise ValueError(
             f"Unknown preset {preset!r} of configs/swav.py: use '', 'imagenet', 'demo' or 'test'."

@@ -7,13 +7,15 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from PIL import Image
+from test_launch import prepare_shared_dirs
 
 import jssl.data as data
 
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tfds"))
+    # The session's demo dataset (generated once, shared with the other test files).
+    return prepare_shared_dirs(tmp_path_factory)[0]
 
 
 def _config(data_dir, **overrides):

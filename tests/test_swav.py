@@ -54,16 +54,18 @@ def test_bad_settings_name_the_field(field, value, message):
         train.validate(config)
 
 
-def test_frozen_then_normalised_prototypes_and_the_queue():
-    config = swav.get_config("test")  # queue of 2 batches, on from epoch 1; frozen 2 steps
-    steps_per_epoch = 2
+def test_frozen_then_normalised_prototypes_and_the_queue(shared_dirs):
+    # The step of the end-to-end run below (same config, probe included), so the persistent
+    # compilation cache serves it there.
+    config = swav.get_config("test")  # queue of 2 batches, on from step 2; frozen 2 steps
+    steps_per_epoch = 4  # 64 examples / batch 16
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch)
     tx, schedule = train.make_optimizer(config, method, steps_per_epoch)
     state = train.init_state(config, method, tx, mesh)
     from jssl.train_step import make_train_step
 
-    step = make_train_step(method, tx, schedule, mesh)
+    step = make_train_step(method, tx, schedule, mesh, probe_config=config)
 
     def prototypes(s):
         return np.asarray(s.params["prototypes"]["prototypes0"]["kernel"])
@@ -88,7 +90,7 @@ def test_frozen_then_normalised_prototypes_and_the_queue():
     assert not np.allclose(np.asarray(jax.tree.leaves(state.params["trunk"])[0]), trunk)
     assert np.abs(seen[2][3] - start).max() > 1e-6
     np.testing.assert_allclose(np.linalg.norm(seen[3][3], axis=0), 1.0, rtol=1e-5)
-    # The queue fills 16 rows a step (32 in all) and is used from step 3 (epoch 1, full).
+    # The queue fills 16 rows a step (32 in all) and is used from the 3rd step (full).
     assert [s[:3] for s in seen] == [(0.0, 16, 16), (0.0, 32, 0), (1.0, 32, 16), (1.0, 32, 0)]
     queue = np.asarray(state.method_state["queue"])
     assert queue.shape == (2, 32, config.model.head_dims[-1])

@@ -10,6 +10,17 @@ test phase); ``carry`` is the method's own, handed to ``after_update`` and nothi
 What every method would otherwise repeat lives in ``jssl.methods.common``: applying the
 model in train or eval mode, averaging batch-norm statistics over devices, EMA updates with
 a momentum schedule. Adding a method touches its module, its config and ``METHODS`` below.
+
+Crops. ``batch["crops"]`` holds one array per crop group of ``data.augment`` (jssl.data.crops),
+``(n, crops_g, S_g, S_g, 3)`` per replica; crop numbers run over the groups in order, so SwAV's
+``crops_for_assign=(0, 1)`` are the two large crops of group 0. A method either picks single
+views (``common.views(batch)[c]``: MoCo's query and key) or runs the online network on every
+crop with ``common.forward_crops`` (one trunk pass per resolution, the head on all crops;
+outputs crop-major, ``common.split_crops`` turns them into ``(crops, n, ...)``), as SimCLR and
+SwAV do. The online probe and the test phase read crop 0 (``LossOutput.features``). In the
+test phase every crop is the centre-cropped eval image, resized to its group's size. A method
+that needs an epoch length (SwAV's queue start) gets ``steps_per_epoch`` from the trainer; one
+that freezes parameters for a while names them in ``Method.frozen_params``.
 """
 
 from __future__ import annotations
