@@ -109,7 +109,15 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:
-    """The demo data and network every method's demo uses; SwAV's multi-crop at demo sizes."""
+    """The demo data and network every method's demo uses; SwAV's multi-crop at demo sizes.
+
+    Measured on the demo (3 epochs, seed 0, kNN top-1 learned vs random init 57.6%): the
+    ImageNet values epsilon 0.05, small crops at scale 0.05-0.14 (here 0.1-0.3) and the
+    demo's strong colour distortion collapse to uniform codes (loss stuck at ln K, 2 and 6
+    crops alike); milder colour distortion clusters by colour (48.8%); K=100 collapses too.
+    epsilon 0.02 keeps the codes sharp enough to escape (57.6%, lr 0.06 at batch 128), and lr
+    0.15 learns: 79.3%.
+    """
     base.demo_data_and_model(c)
     c.model.dtype = "float32"
     c.num_epochs = 3
@@ -118,14 +126,16 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     a = c.data.augment
     a.num_crops = (2, 4)
     a.crop_sizes = (32, 16)
-    a.crop_scale = ((0.3, 1.0), (0.1, 0.3))
+    # The demo's classes are shapes: a small crop must still hold part of the shape.
+    a.crop_scale = ((0.3, 1.0), (0.2, 0.5))
     m = c.method
     m.num_prototypes = (30,)  # 3 per demo class, as 3000 is 3 per ImageNet class
+    m.epsilon = 0.02  # sharper codes than ImageNet's 0.05: see above
     m.freeze_prototypes_iters = 62  # one demo epoch, as VISSL's 313 is one ImageNet epoch
     m.queue_length = 0
     o = c.optim
     o.name = "sgd"  # LARC's per-layer steps are made for lr 4.8 at batch 4096 (see SimCLR's demo)
-    o.base_lr = 0.12
+    o.base_lr = 0.3  # 0.15 at batch 128
     o.warmup_epochs = 1
     o.warmup_start_nodes = 0
     o.warmup_start_lr = 0.0
