@@ -144,6 +144,36 @@ def get_base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def vissl_8node_larc(c: ml_collections.ConfigDict, warmup_epochs: float, final_fraction: float):
+    """The optimizer VISSL's 8-node SimCLR and SwAV recipes share (simclr_8node_resnet.yaml,
+    swav_8node_resnet.yaml): sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8),
+    weight_decay 1e-6, momentum 0.9, nesterov False, regularize_bn/bias True; lr composite of
+    linear warmup then cosine with interval_scaling [rescaled, fixed], auto_lr_scaling
+    base_value 0.3 per 256 (4.8 at 4096), which rewrites the warmup start to the base rate at
+    one node's batch (0.6 at 512); update_interval step. Warmup length and the cosine's end
+    differ per recipe."""
+    o = c.optim
+    o.name = "larc"
+    o.larc_clip = False
+    o.lars_eta = 0.001
+    o.larc_eps = 1e-8
+    o.trust_ratio_exclude = "none"
+    o.weight_decay = 1e-6
+    o.momentum = 0.9
+    o.nesterov = False
+    o.regularize_bn = True
+    o.regularize_bias = True
+    o.base_lr = 0.3
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.schedule = "cosine"
+    o.warmup_epochs = warmup_epochs
+    o.warmup_start_nodes = 8
+    o.interval_scaling = "fixed"
+    o.final_lr_fraction = final_fraction
+    o.update_interval = "step"
+
+
 def demo_data_and_model(c: ml_collections.ConfigDict) -> None:
     """What every method's ``demo`` preset shares: the built-in demo data at 32 px, a small
     ResNet-18 (2 CPU cores, a few minutes), and the kNN monitor printing learned vs random."""

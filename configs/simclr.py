@@ -38,32 +38,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.data.augment.blur_prob = (0.5,)
     c.data.augment.blur_sigma = (0.1, 2.0)
 
-    # OPTIMIZER sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8), weight_decay
-    # 1e-6, momentum 0.9, nesterov False, regularize_bn/bias True, num_epochs 100. lr: composite
-    # of linear 0.6 -> 4.8 over lengths[0] = 0.1 of the run, then cosine 4.8 -> 0 with
-    # interval_scaling [rescaled, fixed]; auto_lr_scaling base_value 0.3 per 256 (4.8 at 4096;
-    # the warmup start 0.6 is the base rate scaled to one node's 512).
+    # OPTIMIZER as base.vissl_8node_larc; num_epochs 100; lr linear 0.6 -> 4.8 over lengths[0] =
+    # 0.1 of the run (10 epochs), then cosine 4.8 -> 0.
     c.num_epochs = 100
-    o = c.optim
-    o.name = "larc"
-    o.larc_clip = False
-    o.lars_eta = 0.001
-    o.larc_eps = 1e-8
-    o.trust_ratio_exclude = "none"
-    o.weight_decay = 1e-6
-    o.momentum = 0.9
-    o.nesterov = False
-    o.regularize_bn = True
-    o.regularize_bias = True
-    o.base_lr = 0.3
-    o.base_lr_batch_size = 256
-    o.lr_scaling = "linear"
-    o.schedule = "cosine"
-    o.warmup_epochs = 10
-    o.warmup_start_nodes = 8
-    o.interval_scaling = "fixed"
-    o.final_lr_fraction = 0.0
-    o.update_interval = "step"
+    base.vissl_8node_larc(c, warmup_epochs=10, final_fraction=0.0)
     c.checkpoint.every_steps = 1560  # VISSL CHECKPOINT_FREQUENCY 5 epochs at 312 steps/epoch
     c.log_every_steps = 10  # LOG_FREQUENCY
     c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
