@@ -135,6 +135,14 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.probe.learning_rate = 1e-3  # Adam
     c.probe.weight_decay = 0.0
 
+    c.loss = ml_collections.ConfigDict()
+    # The method's named loss terms (its config declares them with loss_terms below): the loss
+    # is sum(weight * term). weights.<term>: the weight, or where a ramp ends; ramps.<term>:
+    # kind "constant" | "linear" | "cosine" from `initial` at `begin` to the weight at `end`
+    # (unit "epochs" | "steps"). Every term is logged unweighted and weighted.
+    c.loss.weights = ml_collections.ConfigDict()
+    c.loss.ramps = ml_collections.ConfigDict()
+
     c.eval_outputs = True  # per-example test-split outputs in workdir/eval/epoch_<n>/
 
     c.debug = ml_collections.ConfigDict()
@@ -142,6 +150,21 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.debug.profile = False  # write a profiler trace of a few steps to the workdir
     c.debug.max_steps = -1  # >0: stop after this many steps (smoke tests)
     return c
+
+
+def loss_terms(c: ml_collections.ConfigDict, **weights: float) -> None:
+    """Declares the method's loss terms with their weights, each with a constant ramp that the
+    command line can turn into one, e.g. ``--config.loss.ramps.variance.kind=linear
+    --config.loss.ramps.variance.end=10`` (from 0 to the weight over the first 10 epochs)."""
+    c.loss.weights = ml_collections.ConfigDict({name: float(w) for name, w in weights.items()})
+    c.loss.ramps = ml_collections.ConfigDict(
+        {
+            name: ml_collections.ConfigDict(
+                dict(kind="constant", initial=0.0, begin=0.0, end=0.0, unit="epochs")
+            )
+            for name in weights
+        }
+    )
 
 
 def vissl_8node_larc(c: ml_collections.ConfigDict, warmup_epochs: float, final_fraction: float):

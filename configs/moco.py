@@ -25,6 +25,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # MoCo's shuffle-BN (He et al. 2020, Sec. 3.3; VISSL shuffle_batch) against BN cheating
     # across the per-device batches; irrelevant (and skipped) when model.sync_bn is on.
     c.method.shuffle_bn = True
+    base.loss_terms(c, info_nce=1.0)  # the loss is InfoNCE alone
 
     # VISSL: RESNETS.DEPTH 50, ZERO_INIT_RESIDUAL True, heads mlp [2048, 2048] + relu,
     # mlp [2048, 128]; CONVERT_BN_TO_SYNC_BN False (shuffle-BN instead).

@@ -18,6 +18,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c = base.get_base_config()
     c.method.name = "simclr"
     c.method.temperature = 0.1  # SIMCLR_INFO_NCE_LOSS.TEMPERATURE
+    base.loss_terms(c, info_nce=1.0)  # NT-Xent alone
 
     # TRUNK resnet DEPTH 50; HEAD mlp [2048, 2048] + relu, mlp [2048, 128] (VISSL's mlp has no
     # BN unless use_bn); CONVERT_BN_TO_SYNC_BN True.

@@ -33,6 +33,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     m.freeze_prototypes_iters = 313  # TEMP_FROZEN_PARAMS_ITER_MAP prototypes0: 313 (1 epoch)
     m.queue_length = 0  # 0: no queue; else a multiple of data.batch_size
     m.queue_start_epoch = 15.0  # the SwAV paper's epoch_queue_starts (used when the queue is on)
+    base.loss_terms(c, swapped_prediction=1.0)  # mean over prototype sets of the swapped loss
 
     # TRUNK resnet 50; swav_head dims [2048, 2048, 128] use_bn True; CONVERT_BN_TO_SYNC_BN True;
     # AMP O1 (here: bfloat16 compute, float32 parameters).

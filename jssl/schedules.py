@@ -192,3 +192,30 @@ def _warmup_then(
         return main
     warm = optax.linear_schedule(start, peak, warmup)
     return lambda step: jnp.where(step < warmup, warm(step), main(step))
+
+
+RAMP_KINDS = ("constant", "linear", "cosine")
+RAMP_UNITS = ("epochs", "steps")
+
+
+def ramp(kind: str, initial: float, final: float, begin: int, end: int) -> Schedule:
+    """A value that holds ``initial`` up to step ``begin``, moves to ``final`` by step ``end``
+    (a straight line, or half a cosine period: slow at both ends) and holds ``final`` after;
+    ``kind="constant"`` is ``final`` throughout. The loss-term weights' schedules (a KL weight
+    warmed up over training, DINO's teacher temperature warmup)."""
+    if kind not in RAMP_KINDS:
+        raise ValueError(f"ramp kind {kind!r} is not one of {RAMP_KINDS}")
+    if kind == "constant":
+        return lambda step: jnp.asarray(final, jnp.float32)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        if end <= begin:  # a step at ``begin``
+            progress = (step >= begin).astype(jnp.float32)
+        else:
+            progress = jnp.clip((step - begin) / (end - begin), 0.0, 1.0)
+        if kind == "linear":
+            return initial + (final - initial) * progress
+        return final + (initial - final) * jnp.square(jnp.cos(0.5 * jnp.pi * progress))
+
+    return schedule

@@ -142,7 +142,8 @@ def make_eval_step(
       method's batch-mean metrics cannot be split per example, so they count only for local
       (per-device) batches without padding rows.
     - ``per_example`` (sharded like the batch): ``per_example_loss``, ``embeddings`` (head
-      output), ``features`` (trunk avgpool) when the method provides them, and each layer of
+      output), ``features`` (trunk avgpool) when the method provides them, the unweighted
+      loss terms as ``term_<name>`` (``loss/<name>`` in ``totals`` is exact too), and each layer of
       ``taps`` from the same eval-mode forward of the online model (XLA computes the
       network once: it is the method's query forward on the same image), as float32.
     """
@@ -177,6 +178,10 @@ def make_eval_step(
             totals["loss"] = (jnp.sum(per_example_loss * mask), count)
         else:
             totals["loss"] = (loss * full, full)
+        for name, term in (out.terms or {}).items():
+            term = term.astype(jnp.float32)
+            outputs[f"term_{name}"] = term
+            totals[f"loss/{name}"] = (jnp.sum(term * mask), count)
         return jax.lax.psum(totals, DATA_AXIS), outputs
 
     sharded = jax.shard_map(

@@ -229,6 +229,14 @@ def test_test_phase_writes_validation_loss(tmp_path, shared_dirs, compilation_ca
     assert events.get("test/loss") == {4: "scalars"}, sorted(events)
     test_loss = scalar_values(tmp_path / "tensorboard", "test/loss")[4]
     assert np.isfinite(test_loss) and test_loss > 0
+    # The loss terms, averaged over the split and written per example: MoCo's one term at
+    # weight 1 is the loss.
+    term = scalar_values(tmp_path / "tensorboard", "test/loss/info_nce")[4]
+    np.testing.assert_allclose(term, test_loss, rtol=1e-5)
+    outputs = tmp_path / "eval" / "epoch_1"
+    np.testing.assert_allclose(
+        np.load(outputs / "term_info_nce.npy"), np.load(outputs / "per_example_loss.npy"), rtol=1e-6
+    )
 
 
 def test_max_steps_stops_mid_epoch_with_a_checkpoint(tmp_path, shared_dirs, compilation_cache):

@@ -21,6 +21,13 @@ SwAV do. The online probe and the test phase read crop 0 (``LossOutput.features`
 test phase every crop is the centre-cropped eval image, resized to its group's size. A method
 that needs an epoch length (SwAV's queue start) gets ``steps_per_epoch`` from the trainer; one
 that freezes parameters for a while names them in ``Method.frozen_params``.
+
+Loss terms. A method's module names its loss terms in ``TERMS``; its loss returns them
+unweighted per example (``LossOutput.terms``) and combines them with ``common.weighted_loss``
+under the weights of ``common.loss_weights``: ``config.loss.weights.<term>`` (on the command
+line ``--config.loss.weights.<term>``) and an optional ramp ``config.loss.ramps.<term>``
+(constant, linear or cosine between two values over a range of epochs or steps), declared by
+the method's config with ``base.loss_terms``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ class LossOutput(NamedTuple):
     embeddings: the head's output for the first view (the test phase's ``embeddings``).
     per_example_loss: the loss of each local example, so the test phase averages over real
       rows only.
+    terms: the unweighted loss terms, ``{name: (n,)}`` per local example (a batch-level term
+      broadcast to every row); ``per_example_loss`` is their weighted sum
+      (``common.weighted_loss``). The test phase averages each over the split and writes it.
     """
 
     metrics: dict[str, jax.Array]
@@ -55,6 +65,7 @@ class LossOutput(NamedTuple):
     features: jax.Array | None = None
     embeddings: jax.Array | None = None
     per_example_loss: jax.Array | None = None
+    terms: dict[str, jax.Array] | None = None
 
 
 class Method(NamedTuple):
@@ -86,7 +97,10 @@ def _module(config: ml_collections.ConfigDict):
 
 def check_config(config: ml_collections.ConfigDict) -> None:
     """The method's start-up checks (``check_config`` of its module, where it has one)."""
+    from jssl.methods import common
+
     module = _module(config)
+    common.check_loss_config(config, module.TERMS)
     if hasattr(module, "check_config"):
         module.check_config(config)
 

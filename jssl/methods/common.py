@@ -1,6 +1,7 @@
 """Pieces every method would otherwise write again: the model applied in train or eval mode
-(to one batch or to every crop group), batch-norm statistics averaged over devices, and
-momentum (EMA) teachers with a schedule.
+(to one batch or to every crop group), batch-norm statistics averaged over devices,
+momentum (EMA) teachers with a schedule, and named loss terms with weights that may follow a
+ramp over training (``config.loss``).
 
 Crops: ``batch["crops"]`` holds one array per crop group (jssl.data.crops), of shape
 (n, num_crops, S, S, 3). ``views(batch)`` lists every crop as its own (n, S, S, 3) batch, in
@@ -13,12 +14,14 @@ All of it runs per replica inside the step's ``shard_map`` over ``DATA_AXIS``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jssl import schedules as schedules_lib
 from jssl.parallel import DATA_AXIS
 
 
@@ -86,3 +89,93 @@ def forward_crops(
 def split_crops(x: jax.Array, count: int) -> jax.Array:
     """(count * n, ...) crop-major rows as (count, n, ...)."""
     return x.reshape(count, -1, *x.shape[1:])
+
+
+def loss_weights(
+    config: Any, terms: Sequence[str], steps_per_epoch: int | None = None
+) -> Callable[[jax.Array], dict[str, jax.Array]]:
+    """``step -> {term: weight}`` from ``config.loss.weights`` and ``config.loss.ramps``.
+
+    A term the config does not name weighs 1 (a workdir's config saved before the term
+    existed). A ramp moves the weight from ``ramps.<term>.initial`` at ``begin`` to
+    ``weights.<term>`` at ``end`` (``unit`` epochs or steps); because it is a function of the
+    optimizer step, a resumed run picks it up mid-ramp at the right value. Evaluation engines
+    pass no epoch length: an epoch-unit ramp then reads as finished (its final weight).
+    """
+    loss_config = config.get("loss")
+    weights = loss_config.get("weights", {}) if loss_config is not None else {}
+    ramps = loss_config.get("ramps", {}) if loss_config is not None else {}
+    schedules = {}
+    for term in terms:
+        final = float(weights.get(term, 1.0))
+        spec = ramps.get(term)
+        if spec is None or spec.kind == "constant":
+            schedules[term] = schedules_lib.ramp("constant", final, final, 0, 0)
+            continue
+        if spec.unit == "epochs" and not steps_per_epoch:
+            schedules[term] = schedules_lib.ramp("constant", final, final, 0, 0)
+            continue
+        scale = steps_per_epoch if spec.unit == "epochs" else 1
+        schedules[term] = schedules_lib.ramp(
+            spec.kind,
+            float(spec.initial),
+            final,
+            int(round(spec.begin * scale)),
+            int(round(spec.end * scale)),
+        )
+
+    def weights_at(step: jax.Array) -> dict[str, jax.Array]:
+        return {term: schedule(step) for term, schedule in schedules.items()}
+
+    return weights_at
+
+
+def weighted_loss(
+    terms: dict[str, jax.Array], weights: dict[str, jax.Array]
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """``(loss, per_example, metrics)`` from unweighted per-example terms (each (n,)).
+
+    ``per_example = sum_t weights[t] * terms[t]`` and ``loss`` its mean over the local rows;
+    ``metrics`` logs every term unweighted (``loss/<t>``) and weighted
+    (``loss/<t>_weighted``) and its weight (``loss_weight/<t>``).
+    """
+    per_example, metrics = 0.0, {}
+    for name, term in terms.items():
+        term = term.astype(jnp.float32)
+        weight = weights[name]
+        per_example = per_example + weight * term
+        mean = jnp.mean(term)
+        metrics[f"loss/{name}"] = mean
+        metrics[f"loss/{name}_weighted"] = weight * mean
+        metrics[f"loss_weight/{name}"] = weight
+    return jnp.mean(per_example), per_example, metrics
+
+
+def check_loss_config(config: Any, terms: Sequence[str]) -> None:
+    """Start-up checks of ``config.loss`` against the method's term names."""
+    loss_config = config.get("loss")
+    if loss_config is None:
+        return
+    for field in ("weights", "ramps"):
+        unknown = sorted(set(loss_config.get(field, {}).keys()) - set(terms))
+        if unknown:
+            raise ValueError(
+                f"loss.{field} names {unknown}, which method.name={config.method.name!r} does "
+                f"not have; its loss terms are {list(terms)}."
+            )
+    for term, spec in loss_config.get("ramps", {}).items():
+        where = f"loss.ramps.{term}"
+        if spec.kind not in schedules_lib.RAMP_KINDS:
+            raise ValueError(
+                f"{where}.kind={spec.kind!r} is not one of {schedules_lib.RAMP_KINDS}."
+            )
+        if spec.unit not in schedules_lib.RAMP_UNITS:
+            raise ValueError(
+                f"{where}.unit={spec.unit!r} is not one of {schedules_lib.RAMP_UNITS}."
+            )
+        if spec.kind != "constant" and not 0 <= spec.begin <= spec.end:
+            raise ValueError(
+                f"{where}: begin={spec.begin} and end={spec.end} must satisfy 0 <= begin <= end "
+                f"({spec.unit}); the weight moves from {where}.initial to "
+                f"loss.weights.{term} between them."
+            )

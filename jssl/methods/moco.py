@@ -27,6 +27,8 @@ from jssl import losses, models
 from jssl.methods import LossOutput, Method, common
 from jssl.parallel import DATA_AXIS
 
+TERMS = ("info_nce",)
+
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
@@ -34,6 +36,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     model = models.build_model(config.model, bn_axis_name=DATA_AXIS if sync_bn else None)
     embedding_dim = config.model.head_dims[-1]
     shuffle_bn = mcfg.shuffle_bn and not sync_bn
+    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         params_rng, queue_rng = jax.random.split(rng)
@@ -66,21 +69,24 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         out, batch_stats = common.apply_model(model, params, state.batch_stats, view_q, train)
         keys, ema_batch_stats = key_embeddings(state, view_k, rng, train)
         keys = jax.lax.stop_gradient(losses.l2_normalize(keys.astype(jnp.float32)))
-        value, metrics, per_example = losses.info_nce_with_queue(
+        _, metrics, info_nce = losses.info_nce_with_queue(
             out["head"], keys, state.method_state["queue"], mcfg.temperature
         )
+        terms = {"info_nce": info_nce}
+        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
         carry = {
             "ema_batch_stats": ema_batch_stats,
             # The queue is shared, so every replica enqueues the keys of the global batch.
             "keys": jax.lax.all_gather(keys, DATA_AXIS, tiled=True),
         }
         return value, LossOutput(
-            metrics=metrics,
+            metrics={**metrics, **term_metrics},
             batch_stats=batch_stats,
             carry=carry,
             features=out["avgpool"],
             embeddings=out["head"],
             per_example_loss=per_example,
+            terms=terms,
         )
 
     def after_update(state, carry):

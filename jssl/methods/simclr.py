@@ -37,12 +37,15 @@ from jssl import losses, models
 from jssl.methods import LossOutput, Method, common
 from jssl.parallel import DATA_AXIS
 
+TERMS = ("info_nce",)
+
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
+    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         variables = model.init(rng, images, train=False)
@@ -55,15 +58,18 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         embeddings = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, d)
         n = embeddings.shape[1]
-        value, metrics, per_example = losses.multicrop_simclr_info_nce(
+        _, metrics, info_nce = losses.multicrop_simclr_info_nce(
             embeddings, mcfg.temperature, DATA_AXIS
         )
+        terms = {"info_nce": info_nce}
+        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
         return value, LossOutput(
-            metrics=metrics,
+            metrics={**metrics, **term_metrics},
             batch_stats=batch_stats,
             features=out["avgpool"][:n],
             embeddings=out["head"][:n],
             per_example_loss=per_example,
+            terms=terms,
         )
 
     return Method(init=init, loss=loss, after_update=None, model=model)

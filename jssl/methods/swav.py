@@ -50,6 +50,8 @@ from jssl.methods import LossOutput, Method, common
 from jssl.models.resnet import torch_linear_kernel_init
 from jssl.parallel import DATA_AXIS
 
+TERMS = ("swapped_prediction",)
+
 
 class Prototypes(nn.Module):
     """One bias-free linear layer per prototype set (VISSL SwAVPrototypesHead
@@ -85,6 +87,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     # Without the epoch length (evaluation engines) the queue is never used: eval mode.
     queue_start = int(round(mcfg.queue_start_epoch * steps_per_epoch)) if steps_per_epoch else 0
     normalize = mcfg.normalize_prototypes
+    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         model_rng, proto_rng = jax.random.split(rng)
@@ -130,9 +133,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
                 {"params": jax.lax.stop_gradient(params["prototypes"])}, queued
             )
         hard = (state.step < mcfg.hard_assignment_iters) if train else False
-        total, per_example, metrics = 0.0, 0.0, {}
+        per_example, metrics = 0.0, {}
         for i, set_scores in enumerate(scores):
-            value, set_metrics, set_per_example = losses.swav_loss(
+            _, set_metrics, set_per_example = losses.swav_loss(
                 common.split_crops(set_scores, count),
                 crops_for_assign=assign,
                 temperature=mcfg.temperature,
@@ -144,7 +147,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
                 hard_assignment=hard,
                 use_double_precision=mcfg.use_double_precision,
             )
-            total, per_example = total + value, per_example + set_per_example
+            per_example = per_example + set_per_example
             suffix = "" if len(scores) == 1 else str(i)
             metrics.update({f"{k}{suffix}": v for k, v in set_metrics.items()})
         if use_queue:
@@ -154,13 +157,16 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             # Every replica enqueues the assignment crops of the global batch.
             new = jax.lax.stop_gradient(jnp.stack([z[c * n : (c + 1) * n] for c in assign]))
             carry = {"queue": jax.lax.all_gather(new, DATA_AXIS, axis=1, tiled=True)}  # (A, N, d)
-        return total / len(scores), LossOutput(
-            metrics=metrics,
+        terms = {"swapped_prediction": per_example / len(scores)}
+        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+        return value, LossOutput(
+            metrics={**metrics, **term_metrics},
             batch_stats=batch_stats,
             carry=carry,
             features=out["avgpool"][:n],
             embeddings=z[:n],
-            per_example_loss=per_example / len(scores),
+            per_example_loss=per_example,
+            terms=terms,
         )
 
     def after_update(state, carry):
