@@ -137,12 +137,20 @@ def load_torch_state_dict(path: str) -> dict[str, np.ndarray]:
     that says so.
     """
     torch = _import_torch()
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # torch.save writes a zip archive (PK..), older versions a pickle (protocol byte 0x80).
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
+        raise ValueError(
+            _unreadable(path, ValueError(f"it starts with {head!r}: neither zip nor pickle"))
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        # Random or cut bytes fail in the unpickler too, with these words; refused objects
-        # say "Unsupported global" (torch/_weights_only_unpickler.py).
-        if any(word in str(err) for word in ("Unsupported operand", "load key", "truncated")):
+        # Objects the safe unpickler refuses say so (torch/_weights_only_unpickler.py); random
+        # or cut bytes fail in it too, with other words.
+        refused = ("Unsupported global", "Can only create new object", "is blocked")
+        if not any(word in str(err) for word in refused):
             raise ValueError(_unreadable(path, err)) from err
         raise ValueError(
             f"{path} holds pickled objects other than tensors and containers, so it was not "
@@ -151,7 +159,7 @@ def load_torch_state_dict(path: str) -> dict[str, np.ndarray]:
             "only its model state dict.\n"
             f"torch said: {err}"
         ) from err
-    except (RuntimeError, EOFError, KeyError) as err:  # truncated zip, empty or text file
+    except Exception as err:  # damaged bytes fail anywhere in the unpickler or zip reader
         raise ValueError(_unreadable(path, err)) from err
     state = _strip_prefix(_unwrap(checkpoint, torch))
     # bfloat16 tensors have no numpy equivalent: widen to float32 before converting.
