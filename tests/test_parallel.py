@@ -36,36 +36,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Methods whose one-step results must not depend on the device count; each names what a
+# sharding bug would break. One subprocess per device count runs them all.
+PARITY = {
+    "moco": "the queue and the momentum encoder's EMA after every step",
+    "simclr": "negatives from every device: a missing gather or a gradient cut at it",
+    "swav": "Sinkhorn sums over every device and each device's slice of the queue (on from "
+    "step 3 here), multi-crop 2x16 + 4x8 px, prototypes frozen for 2 steps",
+}
+
+
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("one") / "r.npz", 1)
+    return _run(tmp_path_factory.mktemp("one") / "r.npz", 1, "--methods", ",".join(PARITY))
+
+
+@pytest.fixture(scope="module")
+def four_devices(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("four") / "r.npz", 4, "--methods", ",".join(PARITY))
 
 
 def _relative_error(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(a))
 
 
-def _assert_same(a, b):
+def _assert_same(a, b, method):
+    loss, params = f"{method}:loss", f"{method}:params"
     # Step 1 sees identical parameters: only the reduction order differs.
-    np.testing.assert_allclose(a["loss"][0], b["loss"][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a[loss][0], b[loss][0], rtol=1e-5, atol=1e-6)
     # Later steps inherit the parameter differences described below (T=0.1 amplifies them).
-    np.testing.assert_allclose(a["loss"][1:], b["loss"][1:], rtol=5e-4)
+    np.testing.assert_allclose(a[loss][1:], b[loss][1:], rtol=5e-4)
     # Parameters are compared as whole vectors: the order of float32 reductions differs
     # between 1 and N devices, and batch norm over 4-example per-device slices of 16 px
     # images amplifies it in a few gradients (seen: relative error 1.6e-4, the same for 4
     # devices and for 2 processes x 2 devices). A wrong gather or mean gives errors ~1.
-    assert _relative_error(a["params"], b["params"]) < 5e-4
-    if "ema" in a:
-        assert _relative_error(a["ema"], b["ema"]) < 5e-5
-        np.testing.assert_allclose(a["queue"], b["queue"], rtol=1e-4, atol=1e-5)
+    assert _relative_error(a[params], b[params]) < 5e-4
+    if f"{method}:ema" in a:
+        assert _relative_error(a[f"{method}:ema"], b[f"{method}:ema"]) < 5e-5
+    if f"{method}:state" in a:  # queues, centres
+        np.testing.assert_allclose(a[f"{method}:state"], b[f"{method}:state"], rtol=1e-4, atol=1e-5)
 
 
-def test_four_devices_match_one(one_device, tmp_path):
-    four = _run(tmp_path / "r.npz", 4)
-    assert int(four["devices"]) == 4 and int(one_device["devices"]) == 1
-    # The loss moves between steps, so the comparison covers optimizer, EMA and queue.
-    assert not np.allclose(one_device["loss"][0], one_device["loss"][1])
-    _assert_same(one_device, four)
+@pytest.mark.parametrize("method", list(PARITY))
+def test_four_devices_match_one(one_device, four_devices, method):
+    assert int(four_devices["devices"]) == 4 and int(one_device["devices"]) == 1
+    # The loss moves between steps, so the comparison covers the optimizer and the state.
+    assert not np.allclose(one_device[f"{method}:loss"][0], one_device[f"{method}:loss"][1])
+    _assert_same(one_device, four_devices, method)
 
 
 def test_two_processes_match_one(one_device, tmp_path):
@@ -77,6 +94,8 @@ def test_two_processes_match_one(one_device, tmp_path):
                 sys.executable,
                 SCRIPT,
                 str(out),
+                "--methods",
+                "moco",
                 "--process_id",
                 str(i),
                 "--num_processes",
@@ -95,29 +114,10 @@ def test_two_processes_match_one(one_device, tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
     two = dict(np.load(out))
     assert int(two["devices"]) == 4
-    _assert_same(one_device, two)
+    _assert_same(one_device, two, "moco")
 
 
 def test_per_device_bn_with_shuffle_runs_on_four_devices(tmp_path):
     """sync_bn=False uses per-device statistics and MoCo's shuffle-BN across devices."""
-    result = _run(tmp_path / "r.npz", 4, "--sync_bn", "0")
-    assert np.all(np.isfinite(result["loss"]))
-
-
-def test_simclr_four_devices_match_one(tmp_path):
-    """SimCLR's negatives come from every device: a missing gather or a gradient cut at it
-    would change the loss and the parameters on 4 devices."""
-    one = _run(tmp_path / "one.npz", 1, "--method", "simclr")
-    four = _run(tmp_path / "four.npz", 4, "--method", "simclr")
-    assert not np.allclose(one["loss"][0], one["loss"][1])
-    _assert_same(one, four)
-
-
-def test_swav_four_devices_match_one(tmp_path):
-    """SwAV's Sinkhorn sums run over every device and each device feeds it its slice of the
-    queue (on from step 3 here): local sums or a whole queue per device would change the codes,
-    hence the loss, on 4 devices. Multi-crop (2x16 + 4x8 px), prototypes frozen for 2 steps."""
-    one = _run(tmp_path / "one.npz", 1, "--method", "swav", "--steps", "4")
-    four = _run(tmp_path / "four.npz", 4, "--method", "swav", "--steps", "4")
-    _assert_same(one, four)
-    np.testing.assert_allclose(one["queue"], four["queue"], rtol=1e-4, atol=1e-5)
+    result = _run(tmp_path / "r.npz", 4, "--sync_bn", "0", "--methods", "moco")
+    assert np.all(np.isfinite(result["moco:loss"]))
