@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--sync_bn", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--method", default="moco", choices=("moco", "simclr", "swav"))
+    p.add_argument("--method", default="moco", choices=("moco", "simclr", "swav", "supervised"))
     args = p.parse_args()
 
     from jssl import parallel
@@ -33,12 +33,14 @@ def main() -> None:
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
-    from configs import moco, simclr, swav
+    from configs import moco, simclr, supervised, swav
     from jssl import data, methods
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step
 
-    config = {"moco": moco, "simclr": simclr, "swav": swav}[args.method].get_config("test")
+    config = {"moco": moco, "simclr": simclr, "swav": swav, "supervised": supervised}[
+        args.method
+    ].get_config("test")
     config.model.sync_bn = bool(args.sync_bn)
     # MoCo v2's head, T and lr, not the demo's BN projector: its output BN makes the trunk's
     # gradient a sum of nearly cancelling per-example terms on these noise images, so float32
@@ -66,6 +68,8 @@ def main() -> None:
     losses = []
     for i in range(args.steps):
         full = data.synthetic_batch(config.data, 16, seed=i)
+        if args.method == "supervised":  # every class, in a different order each step
+            full["label"] = (np.arange(16, dtype=np.int32) * (i + 1)) % 10
         rows = slice(
             jax.process_index() * 16 // jax.process_count(),
             (jax.process_index() + 1) * 16 // jax.process_count(),
