@@ -145,10 +145,14 @@ def _finetune(c: ml_collections.ConfigDict, dataset: str) -> None:
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:
-    """Supervised on the demo data with the network every demo uses.
+    """Supervised on the demo data with the network every demo uses: one crop (scale 0.2-1)
+    and flip, no colour distortion (labels, not views, say what to learn), SGD 0.1 at batch
+    128 with a cosine decay, a test phase after each epoch.
 
-    Measured on the demo (seed 0; kNN top-1 of avgpool features, random init 62.9%): see the
-    figures below, written when the preset was tuned.
+    Measured (seed 0, 2 shared CPU cores, load ~9 from other sessions: 6.1 min wall, 3.5 min
+    CPU): test top-1 88.8% / 96.5% / 97.2% after epochs 1 / 2 / 3 (top-5 100%); kNN top-1 of
+    the avgpool features 99.0% learned vs 62.9% random init, the ceiling the SSL demos
+    approach (SimCLR 87.0%, SwAV 70.5%).
     """
     base.demo_data_and_model(c)
     c.model.head_dims = (128, 10)  # ResNet-18 x0.25 has 128 features; 10 demo classes
@@ -170,7 +174,14 @@ def _demo(c: ml_collections.ConfigDict) -> None:
 
 def _finetune_demo(c: ml_collections.ConfigDict) -> None:
     """A demo SSL run's trunk fine-tuned on 10% of the demo labels (the first 800 training
-    images, 80 per class), tested on the whole demo test split."""
+    images, 80 per class; ``data.train_subset``), tested on the whole demo test split: VISSL's
+    fine-tuning recipe at demo scale (fresh classifier, crop + flip, no weight decay, the head
+    group at the trunk's rate), 10 epochs of 12 steps at batch 64, SGD 0.05 with a cosine decay.
+
+    Measured (seed 0, shared CPU, about 3.9 min wall): from the SimCLR demo's workdir (kNN
+    87.0%), test top-1 94.4% (kNN 98.9%); the same 800 labels from scratch
+    (``--config.method.require_init_checkpoint=False``) 90.5% (kNN 98.4%).
+    """
     _demo(c)
     c.method.require_init_checkpoint = True
     c.init.skip = ("head",)
