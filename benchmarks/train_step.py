@@ -34,16 +34,20 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     sys.path.insert(0, ROOT)
     import jax
 
-    from configs import moco, simclr, swav
+    from configs import moco, simclr, supervised, swav
     from jssl import data, methods, parallel
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step, stop_flags
 
     spec = CASES[case]
-    config = {"moco": moco, "simclr": simclr, "swav": swav}[method_name].get_config()
+    config = {"moco": moco, "simclr": simclr, "swav": swav, "supervised": supervised}[
+        method_name
+    ].get_config()
     config.model.trunk = spec["trunk"]
     config.model.cifar_stem = spec["cifar_stem"]
     config.model.head_dims = (spec["head"], 2048, 128)
+    if method_name == "supervised":
+        config.model.head_dims = (spec["head"], 1000)  # the linear classifier
     config.model.dtype = dtype
     config.data.image_size = spec["image_size"]
     config.data.batch_size = spec["batch"]
@@ -110,7 +114,7 @@ def main() -> None:
     p.add_argument("--cases", default="r18_32,r50_224")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr,swav")
+    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr,swav,supervised")
     p.add_argument("--compare_cpu_flags", action="store_true")
     p.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()

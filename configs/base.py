@@ -97,6 +97,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     o.trust_ratio_exclude = "no_decay"
     o.betas = (0.9, 0.999)
     o.grad_clip_norm = 0.0
+    # Learning rates per parameter-path prefix (PyTorch parameter groups; VISSL's lr_head):
+    # entries (prefix, lr_multiplier) or (prefix, lr_multiplier, "constant"), the longest
+    # matching prefix wins, e.g. "(('head', 10.0),)"; "constant": multiplier x the peak rate at
+    # every step (SimSiam's fixed predictor rate). () = one group at the schedule.
+    o.param_groups = ()
 
     c.init = ml_collections.ConfigDict()
     # Weights to start from when the workdir has no checkpoint to resume (the workdir's own

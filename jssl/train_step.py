@@ -140,7 +140,7 @@ def make_eval_step(
       caller averages over a whole split with sum(weighted_sum) / sum(weight). ``loss`` is
       exact over the real rows (the method's ``per_example_loss`` times ``mask``). The
       method's batch-mean metrics cannot be split per example, so they count only for local
-      (per-device) batches without padding rows.
+      (per-device) batches without padding rows; its ``per_example_metrics`` are exact.
     - ``per_example`` (sharded like the batch): ``per_example_loss``, ``embeddings`` (head
       output), ``features`` (trunk avgpool) when the method provides them, the unweighted
       loss terms as ``term_<name>`` (``loss/<name>`` in ``totals`` is exact too), and each layer of
@@ -182,6 +182,8 @@ def make_eval_step(
             term = term.astype(jnp.float32)
             outputs[f"term_{name}"] = term
             totals[f"loss/{name}"] = (jnp.sum(term * mask), count)
+        for name, value in (out.per_example_metrics or {}).items():
+            totals[name] = (jnp.sum(value.astype(jnp.float32) * mask), count)
         return jax.lax.psum(totals, DATA_AXIS), outputs
 
     sharded = jax.shard_map(

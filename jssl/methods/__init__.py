@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-METHODS = ("moco", "simclr", "swav")
+METHODS = ("moco", "simclr", "swav", "supervised")
 
 
 class LossOutput(NamedTuple):
@@ -57,6 +57,9 @@ class LossOutput(NamedTuple):
     terms: the unweighted loss terms, ``{name: (n,)}`` per local example (a batch-level term
       broadcast to every row); ``per_example_loss`` is their weighted sum
       (``common.weighted_loss``). The test phase averages each over the split and writes it.
+    per_example_metrics: ``{name: (n,)}`` per local example (a classifier's top-1 hits, in %):
+      the test phase reports their mean over the real rows of the split, exactly, in place of
+      the batch mean of the same name in ``metrics`` (which the train logs keep).
     """
 
     metrics: dict[str, jax.Array]
@@ -66,6 +69,7 @@ class LossOutput(NamedTuple):
     embeddings: jax.Array | None = None
     per_example_loss: jax.Array | None = None
     terms: dict[str, jax.Array] | None = None
+    per_example_metrics: dict[str, jax.Array] | None = None
 
 
 class Method(NamedTuple):
