@@ -90,8 +90,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             c.model.head_dims = (64, 32, 32)
     else:
         raise ValueError(
-            f"Unknown preset {preset!r} of configs/vicreg.py: use '', 'imagenet', 'demo' or "
-            "'test'."
+            f"Unknown preset {preset!r} of configs/vicreg.py: use '', 'imagenet', 'demo' or 'test'."
         )
     return c
 

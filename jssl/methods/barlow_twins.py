@@ -1,5 +1,6 @@
 """Barlow Twins (Zbontar et al. 2021, "Barlow Twins: Self-Supervised Learning via Redundancy
-Reduction"), as VISSL trains it (configs/config/pretrain/barlow_twins/barlow_twins_4node_resnet.yaml,
+Reduction"), as VISSL trains it
+(configs/config/pretrain/barlow_twins/barlow_twins_4node_resnet.yaml,
 vissl/losses/barlow_twins_loss.py).
 
 Per step: both views of every image go through the one online network as one batch (VISSL's
