@@ -8,12 +8,13 @@ r"""Images/s, compile time and peak memory of the train step, per method, model 
 Cases: r18_32 = ResNet-18 (CIFAR stem) at 32 px, global batch 256; r50_224 = ResNet-50 at
 224 px, global batch 32; each in float32 and bfloat16. SwAV adds its multi-crop: 2 crops at the
 case's size + 6 small ones (16 px for r18_32, 96 px for r50_224), so its images/s count images
-of 8 crops. Synthetic inputs, so this measures the
-step alone (benchmarks/input_pipeline.py measures the data). Each case runs in its own
-process so that compile caches and XLA flags do not leak between cases.
+of 8 crops. Barlow Twins and VICReg keep their 8192-8192-8192 projectors. Synthetic inputs, so
+this measures the step alone (benchmarks/input_pipeline.py measures the data). Each case runs in
+its own process so that compile caches and XLA flags do not leak between cases.
 """
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -34,20 +35,19 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     sys.path.insert(0, ROOT)
     import jax
 
-    from configs import moco, simclr, supervised, swav
     from jssl import data, methods, parallel
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step, stop_flags
 
     spec = CASES[case]
-    config = {"moco": moco, "simclr": simclr, "swav": swav, "supervised": supervised}[
-        method_name
-    ].get_config()
+    config = importlib.import_module(f"configs.{method_name}").get_config()
     config.model.trunk = spec["trunk"]
     config.model.cifar_stem = spec["cifar_stem"]
     config.model.head_dims = (spec["head"], 2048, 128)
     if method_name == "supervised":
         config.model.head_dims = (spec["head"], 1000)  # the linear classifier
+    if method_name in ("barlow_twins", "vicreg"):  # their 8192-8192-8192 projector is the cost
+        config.model.head_dims = (spec["head"], 8192, 8192, 8192)
     config.model.dtype = dtype
     config.data.image_size = spec["image_size"]
     config.data.batch_size = spec["batch"]
@@ -114,7 +114,7 @@ def main() -> None:
     p.add_argument("--cases", default="r18_32,r50_224")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr,swav,supervised")
+    p.add_argument("--methods", default="moco", help="comma-separated names of jssl.methods")
     p.add_argument("--compare_cpu_flags", action="store_true")
     p.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -129,7 +129,7 @@ def main() -> None:
         print(json.dumps(run_case(case, dtype, int(steps), method)))
         return
 
-    header = f"{'method':<7} {'case':<9} {'dtype':<9} {'devices':<8} {'img/s':>8}"
+    header = f"{'method':<12} {'case':<9} {'dtype':<9} {'devices':<8} {'img/s':>8}"
     header += f" {'compile s':>9} {'peak GiB':>8}"
     if args.compare_cpu_flags:
         header += f" {'img/s XLA defaults':>18} {'speed-up':>8}"
@@ -139,7 +139,7 @@ def main() -> None:
             for dtype in args.dtypes.split(","):
                 r = spawn(case, dtype, args.steps, default_flags=False, method=method)
                 line = (
-                    f"{method:<7} {case:<9} {dtype:<9} {r['devices']:<8} "
+                    f"{method:<12} {case:<9} {dtype:<9} {r['devices']:<8} "
                     f"{r['images_per_s']:8.1f} {r['compile_s']:9.1f} {r['peak_gib']:8.2f}"
                 )
                 if args.compare_cpu_flags:

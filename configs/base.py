@@ -26,6 +26,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.zero_init_residual = False
     c.model.head_dims = (2048, 2048, 128)  # (trunk features, hidden..., embedding)
     c.model.head_bn = False
+    c.model.head_bias = True  # biases on the head's Dense layers (VISSL mlp use_bias)
     c.model.head_last_bn = False  # affine-free BN on the head's output (MoCo v3 projector)
     c.model.sync_bn = False  # True: batch statistics over the global batch (VISSL SYNC_BN)
     c.model.dtype = "float32"  # "bfloat16": bf16 compute, float32 params/optimizer/BN/loss

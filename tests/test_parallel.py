@@ -43,6 +43,8 @@ PARITY = {
     "simclr": "negatives from every device: a missing gather or a gradient cut at it",
     "swav": "Sinkhorn sums over every device and each device's slice of the queue (on from "
     "step 3 here), multi-crop 2x16 + 4x8 px, prototypes frozen for 2 steps",
+    "barlow_twins": "the cross-correlation of embeddings standardised over the global batch",
+    "vicreg": "variance and covariance over the global batch",
     "supervised": "per-example cross-entropy with synchronised BN: 4 devices of 4 rows each "
     "give one device of 16 rows",
 }

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-METHODS = ("moco", "simclr", "swav", "supervised")
+METHODS = ("moco", "simclr", "swav", "barlow_twins", "vicreg", "supervised")
 
 
 class LossOutput(NamedTuple):

@@ -10,6 +10,8 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
   head_dims           (in, hidden..., out) of the MLP head; () for no head
   head_bn             BN after each hidden layer of the head
   head_last_bn        affine-free BN on the head output (MoCo v3 projector)
+  head_bias           biases on the head's Dense layers (default True when the field is absent;
+                      Barlow Twins and VICReg set False)
   dtype               "float32" | "bfloat16" computation dtype
   sync_bn             read by the caller, who passes ``bn_axis_name`` accordingly
 """
@@ -112,6 +114,7 @@ def build_model(
             dims=head_dims,
             use_bn=model_config.head_bn,
             last_bn=model_config.head_last_bn,
+            use_bias=model_config.get("head_bias", True),
             dtype=_dtype(model_config.dtype),
             bn_axis_name=bn_axis_name,
         )

@@ -1,0 +1,144 @@
+r"""Barlow Twins pre-training (Zbontar et al. 2021), following VISSL's
+configs/config/pretrain/barlow_twins/barlow_twins_4node_resnet.yaml (1000 epochs, batch 2048).
+
+  python launch.py --config=configs/barlow_twins.py --workdir=runs/barlow_twins \
+      --config.data.source=tfds --config.data.name=imagenet2012      # ImageNet, 1000 epochs
+  python launch.py --config=configs/barlow_twins.py:demo --workdir=runs/bt_demo   # CPU, minutes
+
+Presets: "" / "imagenet" (the reference recipe), "demo" (small ResNet-18 on the built-in demo
+data at 32 px; prints the kNN accuracy of learned vs random features), "test" (tiny).
+
+The loss weights carry VISSL's two constants (jssl/methods/barlow_twins.py): invariance
+scale_loss = 0.024, redundancy_reduction scale_loss * lambda_ = 0.024 * 0.0051.
+"""
+
+import ml_collections
+
+from configs import base
+
+SCALE_LOSS = 0.024  # LOSS.barlow_twins_loss.scale_loss
+LAMBDA = 0.0051  # LOSS.barlow_twins_loss.lambda_
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    c = base.get_base_config()
+    c.method.name = "barlow_twins"
+    # VISSL's SyncNormalizeFunction standardises both copies together (eps 1e-5); False: one
+    # set of statistics per view, as the paper's code (BatchNorm1d(affine=False) per view).
+    c.method.normalize_jointly = True
+    base.loss_terms(c, invariance=SCALE_LOSS, redundancy_reduction=SCALE_LOSS * LAMBDA)
+
+    # TRUNK resnet DEPTH 50; HEAD mlp [2048, 8192] relu bn, mlp [8192, 8192] relu bn,
+    # mlp [8192, 8192], all use_bias False (embedding_dim 8192); CONVERT_BN_TO_SYNC_BN True;
+    # AMP (here: bfloat16 compute, float32 parameters).
+    c.model.trunk = "resnet50"
+    c.model.head_dims = (2048, 8192, 8192, 8192)
+    c.model.head_bn = True
+    c.model.head_last_bn = False  # the loss standardises the output itself
+    c.model.head_bias = False
+    c.model.sync_bn = True
+    c.model.dtype = "bfloat16"
+
+    # BATCHSIZE_PER_REPLICA 64 x 4 nodes x 8 GPUs; ImgReplicatePil 2 copies, RandomResizedCrop
+    # 128 (scale 0.08-1, torchvision's default), flip 0.5, ImgPilColorDistortion strength 0.5
+    # (jitter p 0.8, grayscale p 0.2), Gaussian blur p [1.0, 0.1] radius 0.1-2.0, solarize
+    # p [0.0, 0.2]: per-copy probabilities, so two crop groups of one crop each.
+    c.data.source = "tfds"
+    c.data.name = "imagenet2012"
+    c.data.test_split = "validation"
+    c.data.batch_size = 2048
+    c.data.image_size = 128
+    a = c.data.augment
+    a.num_crops = (1, 1)
+    a.crop_scale = (0.08, 1.0)
+    a.flip_prob = (0.5,)
+    a.color_strength = 0.5
+    a.color_jitter_prob = (0.8,)
+    a.grayscale_prob = (0.2,)
+    a.blur_prob = (1.0, 0.1)
+    a.blur_sigma = (0.1, 2.0)
+    a.solarize_prob = (0.0, 0.2)
+
+    # OPTIMIZER sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8), weight_decay
+    # 1.5e-6, momentum 0.9, nesterov False, regularize_bn/bias False, num_epochs 1000; lr
+    # composite with auto_lr_scaling base 0.2 per 256 (1.6 at 2048): linear from 0.4 (the base
+    # rate at one node's 512 images, VISSL's resolve_linear_schedule) to 1.6 over lengths[0] =
+    # 0.01 of the run (10 epochs), then cosine 1.6 -> 0.016 (end_value 0.002 / 0.2 of the
+    # peak), interval_scaling [rescaled, fixed]; update_interval step.
+    c.num_epochs = 1000
+    o = c.optim
+    o.name = "larc"
+    o.larc_clip = False
+    o.lars_eta = 0.001
+    o.larc_eps = 1e-8
+    o.trust_ratio_exclude = "none"  # apex LARC adapts every parameter
+    o.weight_decay = 1.5e-6
+    o.momentum = 0.9
+    o.nesterov = False
+    o.regularize_bn = False
+    o.regularize_bias = False
+    o.base_lr = 0.2
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.schedule = "cosine"
+    o.warmup_epochs = 10
+    o.warmup_start_nodes = 4  # DISTRIBUTED.NUM_NODES
+    o.interval_scaling = "fixed"
+    o.final_lr_fraction = 0.01
+    o.update_interval = "step"
+    c.checkpoint.every_steps = 3125  # CHECKPOINT_FREQUENCY 5 epochs at 625 steps/epoch
+    c.log_every_steps = 10  # LOG_FREQUENCY
+    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
+
+    if preset in ("", "imagenet"):
+        pass
+    elif preset in ("demo", "test"):
+        _demo(c)
+        if preset == "test":
+            base.tiny(c)
+            c.model.head_dims = (64, 32, 32)
+    else:
+        raise ValueError(
+            f"Unknown preset {preset!r} of configs/barlow_twins.py: use '', 'imagenet', "
+            "'demo' or 'test'."
+        )
+    return c
+
+
+def _demo(c: ml_collections.ConfigDict) -> None:
+    """The demo data and network every method's demo uses; Barlow Twins' loss.
+
+    Measured on the demo (3 epochs, seed 0, 2 cores shared with other jobs; kNN top-1 of
+    learned vs random-init features, random 62.9%): VISSL's weights (0.024, 1.224e-4) with
+    plain SGD barely move at demo learning rates (0.5 at batch 128: 43.5%, the
+    cross-correlation's diagonal only reached 0.27); without scale_loss (weights 1 and
+    0.0051) and a 512-d output the diagonal stalled too (0.21 after 80 steps at 0.15): with
+    N = 128 images the correlation matrix has rank < 128, so a 512-d output cannot be
+    decorrelated. A 64-d output learns: 64.6% (diagonal 0.55 at the end, 12.3 min on the
+    shared machine). The diagonal was still rising fast at the end; more steps or a larger
+    learning rate should help (not measured).
+    """
+    base.demo_data_and_model(c)
+    c.model.dtype = "float32"
+    c.num_epochs = 3
+    # Output width below the batch (see above); hidden layers wider, as in the recipe.
+    c.model.head_dims = (128, 512, 512, 64)
+    c.model.sync_bn = True
+    # scale_loss 1 (Barlow Twins' later code drops it), lambda_ 0.0051: SGD at a demo's rate.
+    c.loss.weights.invariance = 1.0
+    c.loss.weights.redundancy_reduction = LAMBDA
+    a = c.data.augment
+    a.num_crops = (1, 1)
+    a.blur_prob = (0.0,)  # as base.demo_data_and_model: blur destroys 32 px shapes
+    a.solarize_prob = (0.0, 0.2)
+    o = c.optim
+    o.name = "sgd"  # LARC's per-layer steps are made for lr 1.6 at batch 2048 (see SimCLR's demo)
+    o.base_lr = 0.3  # 0.15 at batch 128
+    o.warmup_epochs = 1
+    o.warmup_start_nodes = 0
+    o.warmup_start_lr = 0.0
+    o.interval_scaling = "rescaled"
+    o.final_lr_fraction = 0.0
+    o.weight_decay = 5e-4
+    o.regularize_bn = True
+    o.regularize_bias = True

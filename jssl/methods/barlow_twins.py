@@ -1,0 +1,115 @@
+"""Barlow Twins (Zbontar et al. 2021, "Barlow Twins: Self-Supervised Learning via Redundancy
+Reduction"), as VISSL trains it
+(configs/config/pretrain/barlow_twins/barlow_twins_4node_resnet.yaml,
+vissl/losses/barlow_twins_loss.py).
+
+Per step: both views of every image go through the one online network as one batch (VISSL's
+forward of the concatenated copies): trunk, then the projector (Linear-BN-ReLU twice, then a
+Linear, no biases). The embeddings are standardised per feature over the GLOBAL batch, the
+cross-correlation C of the two views is formed over the global batch, and the loss pulls its
+diagonal to 1 and its off-diagonal entries to 0 (``jssl.losses.barlow_twins_terms``). No
+teacher, no queue, nothing to update after the step.
+
+Loss terms and weights. The terms are unweighted: ``invariance`` = sum_i (1 - C_ii)^2 and
+``redundancy_reduction`` = sum_{i != j} C_ij^2. VISSL's loss is
+``scale_loss * (invariance + lambda_ * redundancy_reduction)`` with scale_loss 0.024 and
+lambda_ 0.0051, so the weights carry both constants: ``loss.weights.invariance`` = scale_loss
+= 0.024 and ``loss.weights.redundancy_reduction`` = scale_loss * lambda_ = 1.224e-4. There are
+no ``method.lambda_`` / ``method.scale_loss`` fields: they would scale the same terms twice.
+A different lambda_ is ``--config.loss.weights.redundancy_reduction=<0.024 * lambda_>``.
+
+Deliberate differences from VISSL:
+- The gradient is the exact gradient of the loss over the global batch. VISSL averages the
+  per-rank cross-correlations with a non-differentiable ``all_reduce`` and DDP then averages
+  the gradients, so its gradient is the exact one divided by the GPU count (32 in its
+  recipe); LARC's trust ratio makes the step size nearly independent of that scale, except
+  for the weight decay's share in the ratio's denominator.
+- Synchronised batch norm spans every device (``model.sync_bn=True``); VISSL's recipe syncs
+  groups of 8 GPUs (SYNC_BN_CONFIG.GROUP_SIZE 8), i.e. statistics over 512 of the 2048 images.
+  The loss's own standardisation spans the global batch in both.
+- ``method.normalize_jointly=False`` offers the paper's code (one BatchNorm1d per view)
+  instead of VISSL's statistics over both views together.
+- In the test phase the padding rows of the last test batch take part in the statistics;
+  the test loss averages the per-example values of real rows (as SimCLR's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jssl import losses, models
+from jssl.methods import LossOutput, Method, common
+from jssl.parallel import DATA_AXIS
+
+TERMS = ("invariance", "redundancy_reduction")
+
+
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
+    mcfg = config.method
+    model = models.build_model(
+        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
+    )
+    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+
+    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
+        variables = model.init(rng, images, train=False)
+        return dict(params=variables["params"], batch_stats=variables["batch_stats"])
+
+    def loss(params, state, batch, rng, train: bool = True):
+        out, batch_stats = common.forward_crops(
+            model, params, state.batch_stats, batch["crops"], train
+        )
+        view1, view2 = common.split_crops(out["head"].astype(jnp.float32), 2)
+        n = view1.shape[0]
+        terms, metrics = losses.barlow_twins_terms(
+            view1, view2, normalize_jointly=mcfg.normalize_jointly, axis_name=DATA_AXIS
+        )
+        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+        return value, LossOutput(
+            metrics={**metrics, **term_metrics},
+            batch_stats=batch_stats,
+            features=out["avgpool"][:n],
+            embeddings=out["head"][:n],
+            per_example_loss=per_example,
+            terms=terms,
+        )
+
+    return Method(init=init, loss=loss, after_update=None, model=model)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Start-up checks that would otherwise fail deep inside the step (or silently)."""
+    check_two_views_and_weights(config, "Barlow Twins", "0.024 and 1.224e-4")
+
+
+def check_two_views_and_weights(
+    config: ml_collections.ConfigDict, method: str, recipe_weights: str
+) -> None:
+    """What Barlow Twins and VICReg share: two views, a head, a batch, weights >= 0."""
+    crops = tuple(config.data.augment.num_crops)
+    if sum(crops) != 2:
+        raise ValueError(
+            f"data.augment.num_crops={crops}: {method} compares exactly two views of each "
+            "image; set --config.data.augment.num_crops='(1, 1)' (two groups of one crop, "
+            "each with its own blur and solarisation, as the recipe) or '(2,)'."
+        )
+    if not tuple(config.model.head_dims):
+        raise ValueError(
+            f"model.head_dims=(): {method} needs a projector whose output it decorrelates; "
+            "set e.g. --config.model.head_dims='(2048, 8192, 8192, 8192)'."
+        )
+    if config.data.batch_size < 2:
+        raise ValueError(
+            f"data.batch_size={config.data.batch_size}: {method}'s statistics run over the "
+            "batch; it needs at least 2 images (the recipes use 2048)."
+        )
+    for term, weight in config.loss.weights.items():
+        if weight < 0:
+            raise ValueError(
+                f"loss.weights.{term}={weight} must be >= 0 (a negative weight rewards the "
+                f"term it should penalise; {method}'s recipe: {recipe_weights})."
+            )

@@ -1,0 +1,89 @@
+"""VICReg (Bardes et al. 2022, "VICReg: Variance-Invariance-Covariance Regularization for
+Self-Supervised Learning"), as the paper and its authors' code train it
+(facebookresearch/vicreg, main_vicreg.py and augmentations.py). VISSL has no VICReg.
+
+Per step: each view goes through the online network (trunk, then the expander:
+Linear-BN-ReLU twice, then a Linear) in its own forward pass, as the authors' code does, so
+train-mode batch norm normalises each view with its own statistics. Three terms
+(``jssl.losses.vicreg_terms``): ``invariance``, the mean squared distance of an image's two
+embeddings; ``variance``, a hinge keeping each feature's standard deviation over the global
+batch at 1; ``covariance``, the squared off-diagonal covariances over the global batch. The
+loss is their sum with the weights ``loss.weights.{invariance, variance, covariance}`` (the
+paper's lambda, mu, nu: 25, 25, 1). No teacher, no queue, nothing to update after the step.
+
+Deliberate differences from the paper's code:
+- The variance and covariance terms sum over every device with ``psum`` (means first, then
+  centred products) instead of gathering the embeddings; the values are the same.
+- The expander's Dense layers have no biases (``model.head_bias=False``); the code's hidden
+  layers have biases, but each is followed by batch norm, which removes them.
+- Per-device batch-norm running statistics (``model.sync_bn=False``) are averaged over
+  devices after each step; the recipe's ``sync_bn=True`` is the code's SyncBatchNorm.
+- In the test phase the padding rows of the last test batch take part in the statistics;
+  the test loss averages the per-example values of real rows (as SimCLR's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jssl import losses, models
+from jssl.methods import LossOutput, Method, common
+from jssl.methods.barlow_twins import check_two_views_and_weights
+from jssl.parallel import DATA_AXIS
+
+TERMS = ("invariance", "variance", "covariance")
+
+
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
+    mcfg = config.method
+    model = models.build_model(
+        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
+    )
+    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+
+    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
+        variables = model.init(rng, images, train=False)
+        return dict(params=variables["params"], batch_stats=variables["batch_stats"])
+
+    def loss(params, state, batch, rng, train: bool = True):
+        first, second = common.views(batch)
+        out, batch_stats = common.apply_model(model, params, state.batch_stats, first, train)
+        out2, batch_stats = common.apply_model(model, params, batch_stats, second, train)
+        terms, metrics = losses.vicreg_terms(
+            out["head"].astype(jnp.float32),
+            out2["head"].astype(jnp.float32),
+            std_target=mcfg.std_target,
+            std_eps=mcfg.std_eps,
+            axis_name=DATA_AXIS,
+        )
+        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+        return value, LossOutput(
+            metrics={**metrics, **term_metrics},
+            batch_stats=batch_stats,
+            features=out["avgpool"],
+            embeddings=out["head"],
+            per_example_loss=per_example,
+            terms=terms,
+        )
+
+    return Method(init=init, loss=loss, after_update=None, model=model)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Start-up checks that would otherwise fail deep inside the step (or silently)."""
+    check_two_views_and_weights(config, "VICReg", "25, 25 and 1")
+    mcfg = config.method
+    if mcfg.std_target <= 0:
+        raise ValueError(
+            f"method.std_target={mcfg.std_target} must be positive: it is the standard "
+            "deviation the variance term asks of each feature (the paper's gamma: 1.0)."
+        )
+    if mcfg.std_eps <= 0:
+        raise ValueError(
+            f"method.std_eps={mcfg.std_eps} must be positive: it keeps the square root of a "
+            "zero variance differentiable (the paper: 1e-4)."
+        )
