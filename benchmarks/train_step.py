@@ -34,13 +34,14 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     sys.path.insert(0, ROOT)
     import jax
 
-    from configs import moco, simclr, swav
+    from configs import byol, moco, simclr, simsiam, swav
     from jssl import data, methods, parallel
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step, stop_flags
 
     spec = CASES[case]
-    config = {"moco": moco, "simclr": simclr, "swav": swav}[method_name].get_config()
+    modules = {"moco": moco, "simclr": simclr, "swav": swav, "byol": byol, "simsiam": simsiam}
+    config = modules[method_name].get_config()
     config.model.trunk = spec["trunk"]
     config.model.cifar_stem = spec["cifar_stem"]
     config.model.head_dims = (spec["head"], 2048, 128)
@@ -51,6 +52,8 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
         config.method.queue_size = 16384
     if method_name == "swav":
         config.data.augment.crop_sizes = (spec["image_size"], spec["small"])
+    if method_name in ("byol", "simsiam"):  # the predictor's bottleneck ratio of each paper
+        config.method.predictor_dims = (128, 2048 if method_name == "byol" else 32, 128)
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch=1000)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)
@@ -110,7 +113,9 @@ def main() -> None:
     p.add_argument("--cases", default="r18_32,r50_224")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr,swav")
+    p.add_argument(
+        "--methods", default="moco", help="comma-separated: moco,simclr,swav,byol,simsiam"
+    )
     p.add_argument("--compare_cpu_flags", action="store_true")
     p.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()

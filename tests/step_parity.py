@@ -22,7 +22,9 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--sync_bn", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--method", default="moco", choices=("moco", "simclr", "swav"))
+    p.add_argument(
+        "--method", default="moco", choices=("moco", "simclr", "swav", "byol", "simsiam")
+    )
     args = p.parse_args()
 
     from jssl import parallel
@@ -33,19 +35,22 @@ def main() -> None:
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
-    from configs import moco, simclr, swav
+    from configs import byol, moco, simclr, simsiam, swav
     from jssl import data, methods
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step
 
-    config = {"moco": moco, "simclr": simclr, "swav": swav}[args.method].get_config("test")
+    config = {"moco": moco, "simclr": simclr, "swav": swav, "byol": byol, "simsiam": simsiam}[
+        args.method
+    ].get_config("test")
     config.model.sync_bn = bool(args.sync_bn)
     # MoCo v2's head, T and lr, not the demo's BN projector: its output BN makes the trunk's
     # gradient a sum of nearly cancelling per-example terms on these noise images, so float32
     # reduction order alone moves it by ~0.4% (measured), which would hide real sharding bugs.
     config.model.head_bn = False
     config.model.head_last_bn = False
-    config.method.temperature = 0.1
+    if "temperature" in config.method:
+        config.method.temperature = 0.1
     config.optim.name = "sgd"
     config.optim.base_lr = 0.06
     config.optim.warmup_epochs = 0
@@ -82,6 +87,8 @@ def main() -> None:
             extra = dict(ema=ravel_pytree(host["ema"])[0], queue=host["method_state"]["queue"])
         if args.method == "swav":
             extra = dict(queue=host["method_state"]["queue"])
+        if args.method == "byol":
+            extra = dict(target=ravel_pytree(host["ema"])[0])
         np.savez(
             args.out,
             loss=np.array(losses),
