@@ -98,6 +98,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.sync_bn = True
     c.method.predictor_dims = (128, 32, 128)
     o = c.optim
-    o.base_lr = 0.1
+    o.base_lr = 0.2  # 0.1 at batch 128
+    o.warmup_epochs = 1
     o.update_interval = "step"
     o.weight_decay = 5e-4
