@@ -55,6 +55,8 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
         config.method.queue_size = 16384
     if method_name == "swav":
         config.data.augment.crop_sizes = (spec["image_size"], spec["small"])
+    if method_name in ("byol", "simsiam"):  # the predictor's bottleneck ratio of each paper
+        config.method.predictor_dims = (128, 2048 if method_name == "byol" else 32, 128)
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch=1000)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)

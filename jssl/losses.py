@@ -570,3 +570,90 @@ def _standardize(z: jax.Array, eps: float, axis_name: str | None) -> jax.Array:
     centred = z - _psum(jnp.sum(z, axis=0), axis_name) / total
     var = _psum(jnp.sum(jnp.square(centred), axis=0), axis_name) / total
     return centred * jax.lax.rsqrt(var + eps)
+
+
+# BYOL and SimSiam: each view's prediction regressed onto the other view's (stop-gradient)
+# target; no negatives.
+# --------------------------------------------------------------------------------------------
+
+
+def _cosine(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Row-wise cosine similarity of (..., d) arrays, in float32."""
+    return jnp.sum(l2_normalize(a.astype(jnp.float32)) * l2_normalize(b.astype(jnp.float32)), -1)
+
+
+def _two_views(x: Sequence[jax.Array] | jax.Array, name: str) -> jax.Array:
+    x = _stack_crops(x, name)
+    if x.shape[0] != 2:
+        raise ValueError(
+            f"{name} must hold exactly two views of each image, (2, n, d); got shape {x.shape}."
+        )
+    return x
+
+
+def _embedding_std(targets: jax.Array, axis_name: str | None) -> jax.Array:
+    """SimSiam's collapse monitor (Chen & He 2021, Sec. 4.1, Fig. 2): the per-channel standard
+    deviation of the L2-normalised outputs over the global batch, averaged over channels. About
+    1 / sqrt(d) for spread-out outputs, 0 when every image maps to one vector."""
+    z = l2_normalize(targets.astype(jnp.float32)).reshape(-1, targets.shape[-1])
+    count = _psum(jnp.asarray(z.shape[0], jnp.float32), axis_name)
+    mean = _psum(jnp.sum(z, axis=0), axis_name) / count
+    var = _psum(jnp.sum(jnp.square(z - mean), axis=0), axis_name) / count
+    return jnp.mean(jnp.sqrt(var))
+
+
+def byol_loss(
+    predictions: Sequence[jax.Array] | jax.Array,
+    targets: Sequence[jax.Array] | jax.Array,
+    axis_name: str | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """BYOL's symmetric normalised regression (Grill et al. 2020, Eq. 2 and Sec. 3.1; VISSL
+    vissl/losses/byol_loss.py ``regression_loss``).
+
+    ``||q / |q| - z / |z|||^2 = 2 - 2 cos(q, z)`` between the online prediction of one view and
+    the target projection of the other, summed over both directions (the paper's
+    ``L + L~``, VISSL's ``loss1 + loss2``): each example's term lies in [0, 8].
+
+    Args:
+      predictions: (2, n, d): the online network's predictor output for view 1 and view 2.
+      targets: (2, n, d): the target (EMA) network's projections of the same views; their
+        gradient is stopped here (VISSL ``target_embs.detach()``).
+      axis_name: only for the ``target_std`` diagnostic over the global batch.
+
+    Returns:
+      (mean over the local examples, metrics, (n,) per-example losses).
+    """
+    q = _two_views(predictions, "predictions")
+    z = jax.lax.stop_gradient(_two_views(targets, "targets"))
+    cosine = _cosine(q, z[::-1])  # (2, n): view 1's prediction against view 2's target
+    per_example = jnp.sum(2.0 - 2.0 * cosine, axis=0)
+    metrics = {"cosine": jnp.mean(cosine), "target_std": _embedding_std(z, axis_name)}
+    return jnp.mean(per_example), metrics, per_example
+
+
+def simsiam_loss(
+    predictions: Sequence[jax.Array] | jax.Array,
+    targets: Sequence[jax.Array] | jax.Array,
+    axis_name: str | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """SimSiam's symmetrised negative cosine with stop-gradient (Chen & He 2021, Eq. 1-4 and
+    Alg. 1; facebookresearch/simsiam main_simsiam.py).
+
+    ``D(p1, sg(z2)) / 2 + D(p2, sg(z1)) / 2`` with ``D(p, z) = -cos(p, z)``: each example's term
+    lies in [-1, 1]. Without the stop-gradient the outputs collapse (the paper's Sec. 4.1).
+
+    Args:
+      predictions: (2, n, d): predictor outputs p1, p2.
+      targets: (2, n, d): the projections z1, z2 of the same network; their gradient is
+        stopped here.
+      axis_name: only for the ``output_std`` diagnostic over the global batch.
+
+    Returns:
+      (mean over the local examples, metrics, (n,) per-example losses).
+    """
+    p = _two_views(predictions, "predictions")
+    z = jax.lax.stop_gradient(_two_views(targets, "targets"))
+    cosine = _cosine(p, z[::-1])  # (2, n)
+    per_example = -jnp.mean(cosine, axis=0)
+    metrics = {"cosine": jnp.mean(cosine), "output_std": _embedding_std(z, axis_name)}
+    return jnp.mean(per_example), metrics, per_example

@@ -23,7 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 GLOBAL_BATCH = 16
 # Steps per method: SwAV's 4 cover its frozen prototypes (2 steps) and its queue (on from 3).
-STEPS = {"swav": 4}
+# BYOL's and SimSiam's 3 let the target and the predictor move twice.
+STEPS = {"swav": 4, "byol": 3, "simsiam": 3}
 
 
 def configure(method: str):

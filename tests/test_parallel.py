@@ -43,6 +43,10 @@ PARITY = {
     "simclr": "negatives from every device: a missing gather or a gradient cut at it",
     "swav": "Sinkhorn sums over every device and each device's slice of the queue (on from "
     "step 3 here), multi-crop 2x16 + 4x8 px, prototypes frozen for 2 steps",
+    "byol": "synchronised BN in trunk, projector and predictor, online and target, and the "
+    "target's EMA of parameters that must agree too",
+    "simsiam": "synchronised BN of each view's batch and the collapse monitor's statistics over "
+    "the global batch",
     "barlow_twins": "the cross-correlation of embeddings standardised over the global batch",
     "vicreg": "variance and covariance over the global batch",
     "supervised": "per-example cross-entropy with synchronised BN: 4 devices of 4 rows each "

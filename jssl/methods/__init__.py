@@ -39,7 +39,16 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-METHODS = ("moco", "simclr", "swav", "barlow_twins", "vicreg", "supervised")
+METHODS = (
+    "moco",
+    "simclr",
+    "swav",
+    "byol",
+    "simsiam",
+    "barlow_twins",
+    "vicreg",
+    "supervised",
+)
 
 
 class LossOutput(NamedTuple):

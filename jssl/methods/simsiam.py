@@ -1,0 +1,99 @@
+"""SimSiam (Chen & He 2021, "Exploring Simple Siamese Representation Learning"). VISSL has no
+SimSiam; this follows the paper and its official code (facebookresearch/simsiam,
+main_simsiam.py and simsiam/builder.py).
+
+Per step: each of the two views goes through the one network, trunk + 3-layer projector
+(BN on every layer, affine-free BN at the output: ``model.head_bn`` and
+``model.head_last_bn``) giving ``z``, then the predictor (2048-512-2048, BN on the hidden
+layer; ``params["predictor"]``) giving ``p``. The loss is ``D(p1, sg(z2)) / 2 +
+D(p2, sg(z1)) / 2`` with ``D`` the negative cosine (``jssl.losses.simsiam_loss``, loss term
+``negative_cosine``): the stop-gradient on the target branch is what keeps the outputs from
+collapsing (Sec. 4.1). No momentum encoder, no queue, nothing to update after the step.
+
+As in the official code, each view goes through the network on its own, so train-mode batch
+norm normalises each view's batch separately (over every device with ``model.sync_bn``), and
+the running statistics take both updates in view order.
+
+Deliberate differences from the paper and its code:
+- The paper keeps the predictor's learning rate fixed (``--fix-pred-lr``: no cosine decay for
+  the predictor, Sec. 4.4 "Predictor"); jssl's optimizer has one schedule for every parameter,
+  so here the predictor decays with the rest.
+- The official projector's Linear layers have no bias (each is followed by BN); jssl's MLP
+  head has biases, which the train-mode BN that follows cancels (their gradient is zero).
+- The official code's BN is synchronised over the GPUs of one 8-GPU node (batch 512); here
+  ``model.sync_bn=True`` synchronises it over every device, ``False`` keeps per-device
+  statistics (their running averages are averaged over devices after each step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import ml_collections
+
+from jssl import losses, models
+from jssl.methods import LossOutput, Method, common
+from jssl.methods.byol import (
+    PREDICTOR,
+    apply_predictor,
+    build_predictor,
+    check_predictor,
+    init_with_predictor,
+    without_predictor,
+)
+from jssl.parallel import DATA_AXIS
+
+TERMS = ("negative_cosine",)
+
+
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
+    model = models.build_model(
+        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
+    )
+    predictor = build_predictor(config, model)
+    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+
+    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
+        params, batch_stats, _ = init_with_predictor(model, predictor, rng, images)
+        return dict(params=params, batch_stats=batch_stats)
+
+    def loss(params, state, batch, rng, train: bool = True):
+        model_params = without_predictor(params)
+        model_stats = without_predictor(state.batch_stats)
+        stats = {PREDICTOR: state.batch_stats[PREDICTOR]}
+        outs, predictions = [], []
+        for view in common.views(batch):
+            out, model_stats = common.apply_model(model, model_params, model_stats, view, train)
+            p, stats[PREDICTOR] = apply_predictor(predictor, params, stats, out["head"], train)
+            outs.append(out)
+            predictions.append(p)
+        _, metrics, negative_cosine = losses.simsiam_loss(
+            predictions, [o["head"] for o in outs], DATA_AXIS
+        )
+        terms = {"negative_cosine": negative_cosine}
+        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+        return value, LossOutput(
+            metrics={**metrics, **term_metrics},
+            batch_stats={**model_stats, **stats},
+            features=outs[0]["avgpool"],
+            embeddings=outs[0]["head"],
+            per_example_loss=per_example,
+            terms=terms,
+        )
+
+    return Method(init=init, loss=loss, after_update=None, model=model)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Start-up checks that would otherwise fail deep inside the step."""
+    from jssl import data
+
+    total = data.total_crops(config.data)
+    if total != 2:
+        raise ValueError(
+            f"data.augment.num_crops={tuple(config.data.augment.num_crops)}: SimSiam takes "
+            "exactly two crops of each image (each predicts the other's projection); set "
+            "--config.data.augment.num_crops=2."
+        )
+    check_predictor(config, "SimSiam: (2048, 512, 2048)")
