@@ -8,9 +8,10 @@ r"""Images/s, compile time and peak memory of the train step, per method, model 
 Cases: r18_32 = ResNet-18 (CIFAR stem) at 32 px, global batch 256; r50_224 = ResNet-50 at
 224 px, global batch 32; each in float32 and bfloat16. SwAV adds its multi-crop: 2 crops at the
 case's size + 6 small ones (16 px for r18_32, 96 px for r50_224), so its images/s count images
-of 8 crops. Synthetic inputs, so this measures the
-step alone (benchmarks/input_pipeline.py measures the data). Each case runs in its own
-process so that compile caches and XLA flags do not leak between cases.
+of 8 crops; DINO takes the same crops (2 global + 6 local) and its 65536-wide head. Synthetic
+inputs, so this measures the step alone (benchmarks/input_pipeline.py measures the data).
+Each case runs in its own process so that compile caches and XLA flags do not leak between
+cases.
 """
 
 import argparse
@@ -34,16 +35,17 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     sys.path.insert(0, ROOT)
     import jax
 
-    from configs import moco, simclr, swav
+    from configs import dino, moco, simclr, swav
     from jssl import data, methods, parallel
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step, stop_flags
 
     spec = CASES[case]
-    config = {"moco": moco, "simclr": simclr, "swav": swav}[method_name].get_config()
+    methods_configs = {"moco": moco, "simclr": simclr, "swav": swav, "dino": dino}
+    config = methods_configs[method_name].get_config()
     config.model.trunk = spec["trunk"]
     config.model.cifar_stem = spec["cifar_stem"]
-    config.model.head_dims = (spec["head"], 2048, 128)
+    config.model.head_dims = (spec["head"], 2048, 128) if method_name != "dino" else ()
     config.model.dtype = dtype
     config.data.image_size = spec["image_size"]
     config.data.batch_size = spec["batch"]
@@ -51,6 +53,9 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
         config.method.queue_size = 16384
     if method_name == "swav":
         config.data.augment.crop_sizes = (spec["image_size"], spec["small"])
+    if method_name == "dino":  # 2 global + 6 local crops, as SwAV's
+        config.data.augment.num_crops = (1, 1, 6)
+        config.data.augment.crop_sizes = (spec["image_size"], spec["image_size"], spec["small"])
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch=1000)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)
@@ -110,7 +115,7 @@ def main() -> None:
     p.add_argument("--cases", default="r18_32,r50_224")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr,swav")
+    p.add_argument("--methods", default="moco", help="comma-separated: moco,simclr,swav,dino")
     p.add_argument("--compare_cpu_flags", action="store_true")
     p.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--sync_bn", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--method", default="moco", choices=("moco", "simclr", "swav"))
+    p.add_argument("--method", default="moco", choices=("moco", "simclr", "swav", "dino"))
     args = p.parse_args()
 
     from jssl import parallel
@@ -33,12 +33,14 @@ def main() -> None:
     import numpy as np
     from jax.flatten_util import ravel_pytree
 
-    from configs import moco, simclr, swav
+    from configs import dino, moco, simclr, swav
     from jssl import data, methods
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step
 
-    config = {"moco": moco, "simclr": simclr, "swav": swav}[args.method].get_config("test")
+    config = {"moco": moco, "simclr": simclr, "swav": swav, "dino": dino}[args.method].get_config(
+        "test"
+    )
     config.model.sync_bn = bool(args.sync_bn)
     # MoCo v2's head, T and lr, not the demo's BN projector: its output BN makes the trunk's
     # gradient a sum of nearly cancelling per-example terms on these noise images, so float32
@@ -82,6 +84,9 @@ def main() -> None:
             extra = dict(ema=ravel_pytree(host["ema"])[0], queue=host["method_state"]["queue"])
         if args.method == "swav":
             extra = dict(queue=host["method_state"]["queue"])
+        if args.method == "dino":
+            center = host["method_state"]["center"]
+            extra = dict(teacher=ravel_pytree(host["ema"])[0], center=center)
         np.savez(
             args.out,
             loss=np.array(losses),

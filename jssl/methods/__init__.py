@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-METHODS = ("moco", "simclr", "swav")
+METHODS = ("moco", "simclr", "swav", "dino")
 
 
 class LossOutput(NamedTuple):
