@@ -8,9 +8,10 @@ r"""Images/s, compile time and peak memory of the train step, per method, model 
 Cases: r18_32 = ResNet-18 (CIFAR stem) at 32 px, global batch 256; r50_224 = ResNet-50 at
 224 px, global batch 32; each in float32 and bfloat16. SwAV adds its multi-crop: 2 crops at the
 case's size + 6 small ones (16 px for r18_32, 96 px for r50_224), so its images/s count images
-of 8 crops. Barlow Twins and VICReg keep their 8192-8192-8192 projectors. Synthetic inputs, so
-this measures the step alone (benchmarks/input_pipeline.py measures the data). Each case runs in
-its own process so that compile caches and XLA flags do not leak between cases.
+of 8 crops; DINO takes the same crops (2 global + 6 local) and its 65536-wide head. Barlow
+Twins and VICReg keep their 8192-8192-8192 projectors. Synthetic inputs, so this measures the
+step alone (benchmarks/input_pipeline.py measures the data). Each case runs in its own process
+so that compile caches and XLA flags do not leak between cases.
 """
 
 import argparse
@@ -48,6 +49,8 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
         config.model.head_dims = (spec["head"], 1000)  # the linear classifier
     if method_name in ("barlow_twins", "vicreg"):  # their 8192-8192-8192 projector is the cost
         config.model.head_dims = (spec["head"], 8192, 8192, 8192)
+    if method_name == "dino":  # its own DINO head (method.head_*), no projector MLP
+        config.model.head_dims = ()
     config.model.dtype = dtype
     config.data.image_size = spec["image_size"]
     config.data.batch_size = spec["batch"]
@@ -57,6 +60,9 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
         config.data.augment.crop_sizes = (spec["image_size"], spec["small"])
     if method_name in ("byol", "simsiam"):  # the predictor's bottleneck ratio of each paper
         config.method.predictor_dims = (128, 2048 if method_name == "byol" else 32, 128)
+    if method_name == "dino":  # 2 global + 6 local crops, as SwAV's
+        config.data.augment.num_crops = (1, 1, 6)
+        config.data.augment.crop_sizes = (spec["image_size"], spec["image_size"], spec["small"])
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch=1000)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)

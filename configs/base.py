@@ -71,6 +71,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     o.momentum = 0.9
     o.nesterov = False
     o.weight_decay = 1e-4
+    o.weight_decay_schedule = "constant"  # "cosine": weight_decay -> weight_decay_end (DINO)
+    o.weight_decay_end = 1e-4
     o.regularize_bn = True
     o.regularize_bias = True
     o.schedule = "cosine"  # "multistep" | "cosine" | "constant"
@@ -103,6 +105,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # matching prefix wins, e.g. "(('head', 10.0),)"; "constant": multiplier x the peak rate at
     # every step (SimSiam's fixed predictor rate). () = one group at the schedule.
     o.param_groups = ()
+    o.grad_clip_per_parameter = 0.0  # >0: each parameter's gradient norm clipped (DINO clip_grad)
 
     c.init = ml_collections.ConfigDict()
     # Weights to start from when the workdir has no checkpoint to resume (the workdir's own

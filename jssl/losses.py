@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def l2_normalize(x: jax.Array, axis: int = -1, eps: float = 1e-12) -> jax.Array:
@@ -657,3 +658,85 @@ def simsiam_loss(
     per_example = -jnp.mean(cosine, axis=0)
     metrics = {"cosine": jnp.mean(cosine), "output_std": _embedding_std(z, axis_name)}
     return jnp.mean(per_example), metrics, per_example
+
+
+# DINO (Caron et al. 2021, "Emerging Properties in Self-Supervised Vision Transformers")
+
+
+def dino_cross_entropy(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    center: jax.Array,
+    student_temp: float | jax.Array,
+    teacher_temp: float | jax.Array,
+    axis_name: str | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """DINO's loss: ``(loss, metrics, per_example)``.
+
+    ``student_logits``: (C, n, K), the student head's output for every crop of n images;
+    ``teacher_logits``: (T, n, K) for the teacher's crops, which are the student's crops
+    0..T-1 (the global crops; VISSL ``crops_for_teacher: [0, 1]``). The teacher's
+    distribution is centred and sharpened, ``P_t = softmax((t - center) / teacher_temp)``,
+    without gradient; the student's is ``log_softmax(s / student_temp)``; the loss averages
+    ``H(P_t, P_s) = -sum_k P_t log P_s`` over every (teacher crop t, student crop v) pair with
+    v != t (Caron et al. 2021, Eq. 3 and Alg. 1; VISSL vissl/losses/dino_loss.py ``forward``):
+    ``per_example[i]`` is that mean for image i, the loss its mean over the local images.
+
+    Metrics (monitoring collapse, Caron et al. 2021 Sec. 5.3): ``teacher_entropy``, the mean
+    entropy of the teacher's distributions (0 when one dimension dominates), and
+    ``teacher_mean_entropy``, the entropy of their mean over the global batch (log K when the
+    teacher is uniform, near 0 when every image goes to one dimension); ``student_entropy``.
+    """
+    student_logits = jnp.asarray(student_logits, jnp.float32)
+    teacher_logits = jnp.asarray(teacher_logits, jnp.float32)
+    num_student, num_teacher = student_logits.shape[0], teacher_logits.shape[0]
+    if teacher_logits.shape[1:] != student_logits.shape[1:] or num_teacher > num_student:
+        raise ValueError(
+            f"teacher logits {teacher_logits.shape} must be (T, n, K) for T <= C of the student "
+            f"logits {student_logits.shape}: the teacher's crops are the student's first T."
+        )
+    if num_student < 2:
+        raise ValueError("DINO compares different crops of an image: it needs at least two.")
+    teacher_probs = jax.lax.stop_gradient(
+        jax.nn.softmax((teacher_logits - center) / teacher_temp, axis=-1)
+    )
+    student_log_probs = jax.nn.log_softmax(student_logits / student_temp, axis=-1)
+    # cross[t, v, i] = H(P_t of crop t, P_s of crop v) for image i.
+    cross = -jnp.einsum(
+        "tik,vik->tvi", teacher_probs, student_log_probs, precision=jax.lax.Precision.HIGHEST
+    )
+    different = np.arange(num_teacher)[:, None] != np.arange(num_student)[None, :]
+    pairs = int(different.sum())  # T * (C - 1)
+    per_example = jnp.sum(jnp.where(different[..., None], cross, 0.0), axis=(0, 1)) / pairs
+
+    def entropy(log_p):
+        return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+
+    teacher_log_probs = jnp.log(jnp.maximum(teacher_probs, 1e-30))
+    n = teacher_probs.shape[1]
+    mean_probs = _psum(jnp.sum(teacher_probs, axis=(0, 1)), axis_name) / _psum(
+        jnp.asarray(num_teacher * n, jnp.float32), axis_name
+    )
+    metrics = {
+        "teacher_entropy": jnp.mean(entropy(teacher_log_probs)),
+        "teacher_mean_entropy": entropy(jnp.log(jnp.maximum(mean_probs, 1e-30))),
+        "student_entropy": jnp.mean(entropy(student_log_probs)),
+    }
+    return jnp.mean(per_example), metrics, per_example
+
+
+def dino_batch_center(teacher_logits: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """The mean teacher output over every teacher crop of the GLOBAL batch, (K,): the new
+    term of DINO's centre (VISSL ``update_center``: sum, all-reduce, divide by the rows of
+    every rank)."""
+    logits = jnp.asarray(teacher_logits, jnp.float32).reshape(-1, teacher_logits.shape[-1])
+    total = _psum(jnp.sum(logits, axis=0), axis_name)
+    rows = _psum(jnp.asarray(logits.shape[0], jnp.float32), axis_name)
+    return total / rows
+
+
+def dino_update_center(
+    center: jax.Array, batch_center: jax.Array, momentum: float | jax.Array
+) -> jax.Array:
+    """``momentum * center + (1 - momentum) * batch_center`` (Caron et al. 2021, Eq. 4)."""
+    return center * momentum + batch_center * (1.0 - momentum)

@@ -11,7 +11,10 @@ VISSL's optimizer block maps onto ``config.optim``:
 - ``regularize_bn`` / ``regularize_bias`` become a weight-decay mask; ``exclude_bias_and_norm``
   and friends a trust-ratio mask (``trust_ratio_exclude``).
 - ``param_schedulers.lr`` is :mod:`jssl.schedules`; its API is re-exported here
-  (``optim.build_schedule``).
+  (``optim.build_schedule``); ``param_schedulers.weight_decay`` (a cosine, DINO's ViT recipe)
+  is :func:`weight_decay_schedule`.
+- ``grad_clip_norm`` clips the global gradient norm (VISSL ``GRAD_CLIP``);
+  ``grad_clip_per_parameter`` clips each parameter's gradient separately (DINO ``clip_grad``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,15 @@ TRUST_RATIO_EXCLUDES = ("no_decay", "bias_and_norm", "none")
 
 # Fields added for LARC, with the values that keep the older behaviour, so that a config
 # saved before they existed (a workdir's) still builds.
-_DEFAULTS = {"larc_clip": False, "larc_eps": 1e-8, "trust_ratio_exclude": "no_decay"}
+_DEFAULTS = {
+    "larc_clip": False,
+    "larc_eps": 1e-8,
+    "trust_ratio_exclude": "no_decay",
+    "weight_decay_schedule": "constant",
+    "weight_decay_end": None,  # None: optim.weight_decay
+    "grad_clip_per_parameter": 0.0,
+}
+WEIGHT_DECAY_SCHEDULES = ("constant", "cosine")
 
 
 def _get(optim_config: ml_collections.ConfigDict, name: str) -> Any:
@@ -157,23 +168,93 @@ def scale_by_larc(
 
 
 # --------------------------------------------------------------------------------------------
+# Weight-decay schedule and per-parameter gradient clipping (DINO)
+
+
+def weight_decay_schedule(
+    optim_config: ml_collections.ConfigDict,
+    steps_per_epoch: int | None = None,
+    num_epochs: int | None = None,
+) -> float | Schedule:
+    """``optim.weight_decay`` as a float, or with ``weight_decay_schedule="cosine"`` a function
+    of the optimizer step from ``weight_decay`` to ``weight_decay_end`` over the run:
+    ``end + (start - end) * (1 + cos(pi * k / total)) / 2`` (DINO ``utils.cosine_scheduler``
+    0.04 -> 0.4; VISSL ``param_schedulers.weight_decay`` cosine). ``update_interval="epoch"``
+    holds it for an epoch, as the learning rate."""
+    start = optim_config.weight_decay
+    kind = _get(optim_config, "weight_decay_schedule")
+    if kind == "constant":
+        return start
+    if kind != "cosine":
+        raise ValueError(
+            f"optim.weight_decay_schedule={kind!r} is not one of {WEIGHT_DECAY_SCHEDULES}; set "
+            "--config.optim.weight_decay_schedule."
+        )
+    if not steps_per_epoch or not num_epochs:
+        raise ValueError(
+            "optim.weight_decay_schedule='cosine' needs the run's length; this engine builds "
+            "its optimizer without it: set --config.optim.weight_decay_schedule=constant."
+        )
+    end = _get(optim_config, "weight_decay_end")
+    end = start if end is None else end
+    total = steps_per_epoch * num_epochs
+    per_epoch = optim_config.update_interval == "epoch"
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        if per_epoch:
+            step = jnp.floor(step / steps_per_epoch) * steps_per_epoch
+        where = jnp.clip(step / total, 0.0, 1.0)
+        return end + (start - end) * jnp.square(jnp.cos(0.5 * jnp.pi * where))
+
+    return schedule
+
+
+def clip_by_parameter_norm(max_norm: float) -> optax.GradientTransformation:
+    """Each parameter's gradient scaled to an L2 norm of at most ``max_norm``, separately (DINO
+    ``utils.clip_gradients``: ``g *= max_norm / (|g| + 1e-6)`` where that factor is below 1),
+    unlike ``optax.clip_by_global_norm`` (PyTorch ``clip_grad_norm_``, VISSL ``GRAD_CLIP``)."""
+
+    def clip(g):
+        scale = max_norm / (_norm(g) + 1e-6)
+        return jnp.where(scale < 1.0, g * scale.astype(g.dtype), g)
+
+    def update_fn(updates, state, params=None):
+        del params
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+# --------------------------------------------------------------------------------------------
 # Optimizers
 
 
 def build_optimizer(
-    optim_config: ml_collections.ConfigDict, params: Any, schedule: Schedule
+    optim_config: ml_collections.ConfigDict,
+    params: Any,
+    schedule: Schedule,
+    *,
+    steps_per_epoch: int | None = None,
+    num_epochs: int | None = None,
 ) -> optax.GradientTransformation:
     """The optax chain for ``optim.name``. Weight decay is coupled (added to the gradient)
     for SGD, LARC and LARS, as in the PyTorch optimizers VISSL wraps, and decoupled for AdamW.
     Momentum accumulates the step before the learning rate scales it, as PyTorch's does
-    (``buf = m * buf + d; p -= lr * buf``), which matters while the rate changes."""
+    (``buf = m * buf + d; p -= lr * buf``), which matters while the rate changes. The run's
+    length (``steps_per_epoch``, ``num_epochs``) is needed by a weight-decay schedule only."""
     mask = weight_decay_mask(
         params,
         regularize_bn=optim_config.regularize_bn,
         regularize_bias=optim_config.regularize_bias,
     )
-    wd = optim_config.weight_decay
+    wd = weight_decay_schedule(optim_config, steps_per_epoch, num_epochs)
     name = optim_config.name
+    if callable(wd) and name == "larc":
+        raise ValueError(
+            "optim.weight_decay_schedule='cosine' is not supported with optim.name='larc' "
+            "(LARC folds a constant decay into its trust ratio); use sgd, lars or adamw."
+        )
     momentum = optax.trace(decay=optim_config.momentum, nesterov=optim_config.nesterov)
     if name == "sgd":
         tx = optax.chain(
@@ -216,6 +297,9 @@ def build_optimizer(
         )
     if optim_config.grad_clip_norm and optim_config.grad_clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(optim_config.grad_clip_norm), tx)
+    per_parameter = _get(optim_config, "grad_clip_per_parameter")
+    if per_parameter and per_parameter > 0:
+        tx = optax.chain(clip_by_parameter_norm(per_parameter), tx)
     return tx
 
 
@@ -320,7 +404,13 @@ def param_groups(optim_config: ml_collections.ConfigDict) -> tuple[ParamGroup, .
 
 
 def build_grouped_optimizer(
-    optim_config: ml_collections.ConfigDict, params: Any, schedule: Schedule, global_batch: int
+    optim_config: ml_collections.ConfigDict,
+    params: Any,
+    schedule: Schedule,
+    global_batch: int,
+    *,
+    steps_per_epoch: int | None = None,
+    num_epochs: int | None = None,
 ) -> optax.GradientTransformation:
     """:func:`build_optimizer`, with each ``optim.param_groups`` group as its own optimizer
     (PyTorch parameter groups: VISSL's ``head_optimizer_params`` with ``param_schedulers.lr_head``
@@ -335,9 +425,10 @@ def build_grouped_optimizer(
     the group's rate) on its own parameters, as a PyTorch optimizer does per group.
     Without groups this is exactly ``build_optimizer`` (same state, so old checkpoints load).
     """
+    length = dict(steps_per_epoch=steps_per_epoch, num_epochs=num_epochs)  # weight-decay schedule
     groups = param_groups(optim_config)
     if not groups:
-        return build_optimizer(optim_config, params, schedule)
+        return build_optimizer(optim_config, params, schedule, **length)
     names = _leaf_names(params)
     for group in groups:
         if not _any_leaf_under(params, group.prefix):
@@ -358,7 +449,7 @@ def build_grouped_optimizer(
     for label in used:
         sub_params = _select(params, labels, label)
         rate = schedule if label == len(groups) else group_schedule(groups[label])
-        transforms[label] = build_optimizer(optim_config, sub_params, rate)
+        transforms[label] = build_optimizer(optim_config, sub_params, rate, **length)
     return _partition(transforms, labels)
 
 

@@ -49,6 +49,7 @@ PARITY = {
     "the global batch",
     "barlow_twins": "the cross-correlation of embeddings standardised over the global batch",
     "vicreg": "variance and covariance over the global batch",
+    "dino": "the centre, a mean over the global batch, and the teacher's SyncBN statistics",
     "supervised": "per-example cross-entropy with synchronised BN: 4 devices of 4 rows each "
     "give one device of 16 rows",
 }

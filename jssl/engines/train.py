@@ -99,7 +99,14 @@ def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, st
     params_shape = jax.eval_shape(
         method.init, jax.random.PRNGKey(0), jnp.zeros((1, size, size, 3))
     )["params"]
-    tx = optim.build_grouped_optimizer(config.optim, params_shape, schedule, config.data.batch_size)
+    tx = optim.build_grouped_optimizer(
+        config.optim,
+        params_shape,
+        schedule,
+        config.data.batch_size,
+        steps_per_epoch=steps_per_epoch,
+        num_epochs=config.num_epochs,
+    )
     return optim.freeze_for_steps(tx, params_shape, method.frozen_params), schedule
 
 

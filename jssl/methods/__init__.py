@@ -47,6 +47,7 @@ METHODS = (
     "simsiam",
     "barlow_twins",
     "vicreg",
+    "dino",
     "supervised",
 )
 

@@ -1,5 +1,7 @@
 """Projection heads put on top of a trunk's features.
 
+``DINOHead`` (with its ``WeightNormDense`` last layer) is DINO's head, see below.
+
 ``MLPHead`` is VISSL's ``"mlp"`` head (``vissl/models/heads/mlp.py``): a stack of
 Linear layers given by ``dims = (in, hidden..., out)``, ReLU between them, an
 optional BatchNorm after each hidden Linear (SimCLR v2 / BYOL projectors) and an
@@ -78,3 +80,74 @@ class MLPHead(nn.Module):
                     use_scale=self.affine_last_bn, use_bias=self.affine_last_bn, name=f"bn{i}"
                 )(x)
         return x
+
+
+class WeightNormDense(nn.Module):
+    """A bias-free Dense layer with a weight-normalised kernel, ``g * v / |v|`` per output unit
+    (PyTorch ``nn.utils.weight_norm(nn.Linear(...))``, dim 0; Salimans & Kingma 2016).
+
+    ``v`` is (in, out), PyTorch's default Linear init; ``g`` (out,) starts at 1. With
+    ``fixed_norm`` there is no ``g``: every output unit's weight vector has norm 1 whatever
+    ``v`` becomes (DINO's ``norm_last_layer``: ``weight_g`` frozen at 1). Computed in float32.
+    """
+
+    features: int
+    fixed_norm: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        v = self.param("v", torch_linear_kernel_init, (x.shape[-1], self.features), jnp.float32)
+        kernel = v / jnp.sqrt(jnp.sum(jnp.square(v), axis=0, keepdims=True))
+        if not self.fixed_norm:
+            kernel = kernel * self.param("g", nn.initializers.ones, (self.features,), jnp.float32)
+        return jnp.dot(jnp.asarray(x, jnp.float32), kernel)
+
+
+class DINOHead(nn.Module):
+    """DINO's projection head (Caron et al. 2021, Sec. 3 and App.; VISSL
+    vissl/models/heads/dino_head.py, the DINO repository's ``DINOHead``): an MLP of
+    ``num_layers`` Dense layers (``fc{i}``) with GELU (optional BN) between them,
+    in -> hidden ... -> bottleneck, the bottleneck L2-normalised, then a weight-normalised
+    bias-free layer to ``out_dim`` (``last_layer``). The MLP's kernels start N(0, 0.02)
+    (``trunc_normal_`` with bounds +-2, i.e. 100 standard deviations), biases 0. Any trunk's
+    feature vector works as input (ResNet avgpool, a ViT class token)."""
+
+    out_dim: int
+    hidden_dim: int = 2048
+    bottleneck_dim: int = 256
+    num_layers: int = 3
+    use_bn: bool = False
+    norm_last_layer: bool = True
+    dtype: Any = jnp.float32
+    bn_axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        if self.num_layers < 1:
+            raise ValueError(f"DINOHead needs num_layers >= 1, got {self.num_layers}")
+        if x.ndim == 4 and x.shape[1:3] == (1, 1):
+            x = x.reshape(x.shape[0], -1)
+        dims = [self.hidden_dim] * (self.num_layers - 1) + [self.bottleneck_dim]
+        x = jnp.asarray(x, self.dtype)
+        for i, dim in enumerate(dims):
+            x = nn.Dense(
+                dim,
+                kernel_init=nn.initializers.normal(stddev=0.02),
+                bias_init=nn.initializers.zeros,
+                dtype=self.dtype,
+                param_dtype=jnp.float32,
+                name=f"fc{i}",
+            )(x)
+            if i < len(dims) - 1:
+                if self.use_bn:
+                    x = batch_norm(
+                        train=train,
+                        momentum=0.9,  # PyTorch BatchNorm1d momentum 0.1
+                        epsilon=1e-5,
+                        axis_name=self.bn_axis_name,
+                        dtype=self.dtype,
+                    )(name=f"bn{i}")(x)
+                x = nn.gelu(x, approximate=False)  # PyTorch nn.GELU: the exact erf form
+        x = x.astype(jnp.float32)
+        x = x / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True)), 1e-12)
+        return WeightNormDense(self.out_dim, fixed_norm=self.norm_last_layer, name="last_layer")(x)

@@ -1,0 +1,197 @@
+r"""DINO pre-training of a ResNet-50 (Caron et al. 2021), following the DINO repository's
+ResNet-50 recipe (README "ResNet-50 and other convnets trainings", main_dino.py defaults:
+100 epochs, batch 512 on 8 GPUs, SGD) with VISSL's DINO loss, head and hooks
+(vissl/losses/dino_loss.py, vissl/hooks/dino_hooks.py, vissl/models/heads/dino_head.py).
+
+  python launch.py --config=configs/dino.py --workdir=runs/dino \
+      --config.data.source=tfds --config.data.name=imagenet2012      # ImageNet, 100 epochs
+  python launch.py --config=configs/dino.py:vissl --workdir=runs/dino_vissl \
+      --config.data.source=tfds --config.data.name=imagenet2012      # VISSL's ResNet yaml
+  python launch.py --config=configs/dino.py:demo --workdir=runs/dino_demo    # CPU, minutes
+
+Presets: "" / "imagenet" (the DINO repository's ResNet-50 recipe), "vissl" (VISSL's
+configs/config/pretrain/dino/dino_1node_resnet.yaml: AdamW, cosine weight decay 0.04 -> 0.4,
+teacher temperature 0.04 -> 0.07, 300 epochs), "demo" (small ResNet-18 on the built-in demo
+data; prints the kNN accuracy of learned vs random features), "test" (tiny).
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    c = base.get_base_config()
+    m = c.method
+    m.name = "dino"
+    # DINOHead: out_dim 65536, hidden 2048, bottleneck 256, 3 layers, use_bn_in_head False,
+    # norm_last_layer True (main_dino.py defaults, kept by the README's ResNet-50 command).
+    m.out_dim = 65536
+    m.hidden_dim = 2048
+    m.bottleneck_dim = 256
+    m.num_layers = 3
+    m.use_bn_in_head = False
+    m.norm_last_layer = True  # last layer's weight norm fixed to 1 (VISSL normalize_last_layer)
+    # DINOLoss: student_temp 0.1, center_momentum 0.9 (VISSL ema_center); teacher temperature
+    # warmup_teacher_temp 0.04 -> teacher_temp 0.04 over warmup_teacher_temp_epochs 0.
+    m.student_temp = 0.1
+    m.teacher_temp = 0.04
+    m.warmup_teacher_temp = 0.04
+    m.warmup_teacher_temp_epochs = 0.0
+    m.center_momentum = 0.9
+    m.teacher_momentum = 0.996  # momentum_teacher, raised to 1 on a cosine over the run
+    m.freeze_last_layer_epochs = 1.0  # freeze_last_layer 1
+    m.teacher_crops = 2  # the two global crops (images[:2]; VISSL crops_for_teacher [0, 1])
+    base.loss_terms(c, cross_entropy=1.0)
+
+    # arch resnet50 (torchvision); both networks converted to SyncBN; use_fp16 True (here:
+    # bfloat16 compute, float32 parameters). The DINO head replaces the MLP head.
+    c.model.trunk = "resnet50"
+    c.model.head_dims = ()
+    c.model.sync_bn = True
+    c.model.dtype = "bfloat16"
+
+    # batch_size_per_gpu 64 x 8 GPUs. DataAugmentationDINO: global crops 224 px at scale
+    # (0.14, 1) (README command), local_crops_number 8 at 96 px, scale (0.05, 0.14); flip 0.5,
+    # colour jitter p 0.8 (0.4, 0.4, 0.2, 0.1), grayscale 0.2; blur (0.1-2.0) p 1.0 on the first
+    # global crop, 0.1 on the second, 0.5 on local crops; solarisation p 0.2 on the second.
+    c.data.source = "tfds"
+    c.data.name = "imagenet2012"
+    c.data.test_split = "validation"
+    c.data.batch_size = 512
+    c.data.image_size = 224
+    a = c.data.augment
+    a.num_crops = (1, 1, 8)
+    a.crop_sizes = (224, 224, 96)
+    a.crop_scale = ((0.14, 1.0), (0.14, 1.0), (0.05, 0.14))
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.8,)
+    a.color_strength = 0.5  # (0.4, 0.4, 0.4, 0.1): saturation 0.4, DINO's 0.2
+    a.grayscale_prob = (0.2,)
+    a.blur_prob = (1.0, 0.1, 0.5)
+    a.blur_sigma = (0.1, 2.0)
+    a.solarize_prob = (0.0, 0.2, 0.0)
+
+    # optimizer sgd, momentum 0.9; lr 0.03 per 256 images (0.06 at 512), linear warmup from 0
+    # over warmup_epochs 10, then cosine to min_lr 1e-6; weight_decay 1e-4 = weight_decay_end
+    # (constant); biases and norm parameters not decayed (utils.get_params_groups);
+    # clip_grad 3.0, each parameter's gradient separately (utils.clip_gradients).
+    c.num_epochs = 100
+    o = c.optim
+    o.name = "sgd"
+    o.base_lr = 0.03
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.momentum = 0.9
+    o.nesterov = False
+    o.schedule = "cosine"
+    o.warmup_epochs = 10
+    o.warmup_start_lr = 0.0
+    o.interval_scaling = "rescaled"
+    o.final_lr_fraction = 1e-6 / 0.06  # min_lr over the peak at batch 512
+    o.weight_decay = 1e-4
+    o.weight_decay_schedule = "constant"
+    o.weight_decay_end = 1e-4
+    o.regularize_bn = False
+    o.regularize_bias = False
+    o.grad_clip_per_parameter = 3.0
+    c.checkpoint.every_steps = 2502  # every epoch (checkpoint.pth), 2502 steps at batch 512
+    c.log_every_steps = 10
+    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
+
+    if preset in ("", "imagenet"):
+        pass
+    elif preset == "vissl":
+        _vissl_resnet(c)
+    elif preset in ("demo", "test"):
+        _demo(c)
+        if preset == "test":
+            base.tiny(c)
+            c.model.head_dims = ()
+            c.data.augment.crop_sizes = (16, 16, 8)
+            m = c.method
+            m.out_dim = 32
+            m.hidden_dim = 32
+            m.bottleneck_dim = 16
+            m.freeze_last_layer_epochs = 0.5  # 2 of the 4 steps of an epoch
+            m.warmup_teacher_temp = 0.04
+            m.teacher_temp = 0.07
+            m.warmup_teacher_temp_epochs = 1.0  # rises over the first 4 steps
+    else:
+        raise ValueError(
+            f"Unknown preset {preset!r} of configs/dino.py: use '', 'imagenet', 'vissl', 'demo' "
+            "or 'test'."
+        )
+    return c
+
+
+def _vissl_resnet(c: ml_collections.ConfigDict) -> None:
+    """VISSL's configs/config/pretrain/dino/dino_1node_resnet.yaml. Its iteration counts
+    (teacher_temp_warmup_iters 37530, the head frozen for 1251 iterations) are 30 epochs and 1
+    epoch at 1251 iterations per epoch, i.e. batch 1024 (the 16-GPU ViT recipe it copies);
+    here they are epochs, whatever the batch."""
+    m = c.method
+    # dino_head num_clusters [65536], normalize_last_layer false; LOSS.dino_loss: momentum
+    # 0.996, teacher_temp_min 0.04 -> teacher_temp_max 0.07 over 30 epochs, ema_center 0.9.
+    m.norm_last_layer = False
+    m.warmup_teacher_temp = 0.04
+    m.teacher_temp = 0.07
+    m.warmup_teacher_temp_epochs = 30.0
+    m.freeze_last_layer_epochs = 1.0  # TEMP_FROZEN_PARAMS_ITER_MAP prototypes0 1251
+    # BATCHSIZE_PER_REPLICA 64 x 8 GPUs; ImgPilToMultiCrop size_crops [224, 96], num_crops
+    # [2, 8], crop_scales [[0.3, 1], [0.05, 0.3]]; colour distortion strength 0.5; blur prob
+    # [1., 0.1, 0.5 ...], solarize prob [0., 0.2, 0 ...].
+    c.data.batch_size = 512
+    c.data.augment.crop_scale = ((0.3, 1.0), (0.3, 1.0), (0.05, 0.3))
+    # OPTIMIZER adamw, num_epochs 300, param_group_constructor dino (no decay on biases and
+    # norms: regularize_bn/bias False); lr composite linear 4e-5 -> 1e-3 over lengths[0] =
+    # 0.0333 (10 epochs), cosine 1e-3 -> 4e-5 with interval_scaling [rescaled, fixed];
+    # weight_decay cosine 0.04 -> 0.4; update_interval epoch; no auto-scaling; no clipping.
+    c.num_epochs = 300
+    o = c.optim
+    o.name = "adamw"
+    o.betas = (0.9, 0.999)
+    o.base_lr = 1e-3
+    o.base_lr_batch_size = 0
+    o.schedule = "cosine"
+    o.warmup_epochs = 0.0333 * 300
+    o.warmup_start_lr = 4e-5
+    o.interval_scaling = "fixed"
+    o.final_lr_fraction = 0.04
+    o.update_interval = "epoch"
+    o.weight_decay = 0.04
+    o.weight_decay_schedule = "cosine"
+    o.weight_decay_end = 0.4
+    o.grad_clip_per_parameter = 0.0
+    c.checkpoint.every_steps = 5 * 2502  # CHECKPOINT_FREQUENCY 5 epochs
+
+
+def _demo(c: ml_collections.ConfigDict) -> None:
+    """The demo data and network every method's demo uses; DINO's multi-crop at demo sizes,
+    a small head, and a teacher that moves within a few hundred steps."""
+    base.demo_data_and_model(c)
+    c.model.dtype = "float32"
+    c.model.head_dims = ()
+    c.model.sync_bn = True
+    c.num_epochs = 2
+    a = c.data.augment
+    a.num_crops = (1, 1, 2)
+    a.crop_sizes = (32, 32, 16)
+    # The demo's classes are shapes: a small crop must still hold part of the shape.
+    a.crop_scale = ((0.3, 1.0), (0.3, 1.0), (0.2, 0.5))
+    a.blur_prob = (0.0,)  # blur destroys 32 px shapes (as every demo)
+    a.solarize_prob = (0.0, 0.2, 0.0)
+    m = c.method
+    m.out_dim = 256
+    m.hidden_dim = 256
+    m.bottleneck_dim = 64
+    m.teacher_momentum = 0.99
+    m.freeze_last_layer_epochs = 0.5
+    o = c.optim
+    o.base_lr = 0.12  # 0.06 at batch 128
+    o.warmup_epochs = 0.5
+    o.final_lr_fraction = 0.0
+    o.weight_decay = 5e-4
+    o.weight_decay_end = 5e-4
+    o.grad_clip_per_parameter = 3.0
+    c.checkpoint.every_steps = 0

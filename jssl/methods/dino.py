@@ -1,0 +1,241 @@
+"""DINO (Caron et al. 2021, "Emerging Properties in Self-Supervised Vision Transformers"), as
+VISSL trains it (vissl/losses/dino_loss.py, vissl/hooks/dino_hooks.py,
+vissl/hooks/hook_utils.py ``MomentumTeacherInLossHook``, vissl/models/heads/dino_head.py,
+configs/config/pretrain/dino/*.yaml) and as the DINO repository trains a ResNet-50
+(main_dino.py, its README's ResNet-50 command).
+
+Per step: the student (trunk + ``DINOHead``) runs on every crop (crop groups, e.g. 2x224 +
+8x96; one trunk pass per resolution, the head on all crops); the teacher, an EMA of the
+student with the same architecture, runs on the first ``method.teacher_crops`` crops only
+(the global crops, VISSL ``crops_for_teacher: [0, 1]``), without gradient. The loss
+(``jssl.losses.dino_cross_entropy``) is the cross-entropy between the teacher's centred,
+sharpened distribution and the student's, averaged over every (teacher crop, student crop)
+pair of different crops. After the optimizer step: the teacher's parameters move towards
+the student's with a momentum that rises from ``teacher_momentum`` to 1 on a cosine over
+the run (``common.cosine_momentum``, VISSL ``update_momentum_network``), and the centre, the
+EMA (``center_momentum``) of the teacher's mean output over the GLOBAL batch, is updated.
+
+Schedules, all functions of the optimizer step: the teacher temperature rises linearly
+from ``warmup_teacher_temp`` to ``teacher_temp`` over ``warmup_teacher_temp_epochs`` (VISSL
+``torch.linspace(min, max, warmup_iters)[iteration]``); the head's last layer is held fixed
+for its first ``freeze_last_layer_epochs`` (``Method.frozen_params``; DINO
+``cancel_gradients_last_layer``, VISSL ``TEMP_FROZEN_PARAMS_ITER_MAP``). The weight-decay
+schedule and per-parameter gradient clipping are the optimizer's (``optim.weight_decay_schedule``,
+``optim.grad_clip_per_parameter``, jssl.optim).
+
+Teacher batch norm: the teacher runs in training mode, normalising with the statistics of
+its own batch of global crops (synchronised over devices with ``model.sync_bn``); its
+running statistics come from its own forward passes, not from the EMA (both DINO and VISSL
+average parameters only and keep the teacher a SyncBN module in training mode). Evaluation
+mode uses the running statistics of each network.
+
+The head (``jssl.models.heads.DINOHead``) goes on whatever trunk ``models.build_model``
+builds from ``config.model`` (with ``model.head_dims=()``), so a ViT trunk takes it as is.
+
+Deliberate differences from VISSL / DINO:
+- The temperature warmup is per step as in VISSL (DINO's repository steps it per epoch);
+  warmup lengths and the frozen period are given in epochs and turned into steps.
+- The last layer's freeze zeroes its gradient and update (``optim.freeze_for_steps``);
+  PyTorch skips the parameter, so here coupled SGD weight decay still enters its momentum
+  buffer during the freeze (1e-4 * weight per step in the ResNet recipe).
+- The teacher's per-device batch-norm running statistics are averaged over devices after
+  each step (``model.sync_bn=False``); with SyncBN (the recipes) they are equal anyway.
+- ``bfloat16`` compute stands for PyTorch AMP; the head's normalised bottleneck, its last
+  layer, the logits and the loss are float32 (VISSL keeps the prototypes in float32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jssl import losses, models
+from jssl.methods import LossOutput, Method, common
+from jssl.models.heads import DINOHead
+from jssl.parallel import DATA_AXIS
+
+TERMS = ("cross_entropy",)
+LAST_LAYER = "head/last_layer"
+
+
+def teacher_temperature(
+    step: jax.Array, initial: float, final: float, warmup_steps: int
+) -> jax.Array:
+    """VISSL's ``linspace(initial, final, warmup_steps)[step]``, then ``final``."""
+    step = jnp.asarray(step, jnp.float32)
+    progress = step / max(warmup_steps - 1, 1)
+    return jnp.where(step < warmup_steps, initial + (final - initial) * progress, final)
+
+
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
+    mcfg = config.method
+    bn_axis = DATA_AXIS if config.model.sync_bn else None
+    head = DINOHead(
+        out_dim=int(mcfg.out_dim),
+        hidden_dim=int(mcfg.hidden_dim),
+        bottleneck_dim=int(mcfg.bottleneck_dim),
+        num_layers=int(mcfg.num_layers),
+        use_bn=bool(mcfg.use_bn_in_head),
+        norm_last_layer=bool(mcfg.norm_last_layer),
+        dtype=jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32,
+        bn_axis_name=bn_axis,
+    )
+    # The trunk (and its taps) of models.build_model, DINO's head in place of the MLP head.
+    model = models.build_model(config.model, bn_axis_name=bn_axis).clone(head=head)
+    teacher_crops = int(mcfg.teacher_crops)
+    # Without the epoch length (evaluation engines) the schedules read as finished.
+    spe = steps_per_epoch or 0
+    total_steps = spe * config.num_epochs
+    warmup_steps = int(round(mcfg.warmup_teacher_temp_epochs * spe))
+    freeze_steps = int(round(mcfg.freeze_last_layer_epochs * spe))
+    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+
+    def teacher_temp_at(step):
+        return teacher_temperature(step, mcfg.warmup_teacher_temp, mcfg.teacher_temp, warmup_steps)
+
+    def momentum_at(step):
+        return common.cosine_momentum(step, total_steps, mcfg.teacher_momentum)
+
+    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
+        variables = model.init(rng, images, train=False)
+        return dict(
+            params=variables["params"],
+            batch_stats=variables["batch_stats"],
+            # The teacher starts as a copy of the student (DINO Alg. 1).
+            ema_params=jax.tree.map(jnp.copy, variables["params"]),
+            ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
+            method_state={"center": jnp.zeros((int(mcfg.out_dim),), jnp.float32)},
+        )
+
+    def teacher_groups(crops):
+        """The leading crop groups that hold the teacher's crops (checked at start-up)."""
+        groups, count = [], 0
+        for group in crops:
+            if count >= teacher_crops:
+                break
+            groups.append(group)
+            count += group.shape[1]
+        return tuple(groups)
+
+    def loss(params, state, batch, rng, train: bool = True):
+        del rng
+        count = common.num_crops(batch)
+        out, batch_stats = common.forward_crops(
+            model, params, state.batch_stats, batch["crops"], train
+        )
+        student = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, K)
+        n = student.shape[1]
+        teacher_out, ema_batch_stats = common.forward_crops(
+            model, state.ema_params, state.ema_batch_stats, teacher_groups(batch["crops"]), train
+        )
+        teacher = jax.lax.stop_gradient(
+            common.split_crops(teacher_out["head"].astype(jnp.float32), teacher_crops)
+        )
+        temperature = teacher_temp_at(state.step)
+        _, metrics, cross_entropy = losses.dino_cross_entropy(
+            student,
+            teacher,
+            state.method_state["center"],
+            mcfg.student_temp,
+            temperature,
+            axis_name=DATA_AXIS,
+        )
+        terms = {"cross_entropy": cross_entropy}
+        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+        metrics = dict(
+            metrics,
+            teacher_temp=temperature,
+            teacher_momentum=momentum_at(state.step),
+            center_norm=jnp.linalg.norm(state.method_state["center"]),
+        )
+        carry = {
+            "ema_batch_stats": ema_batch_stats,
+            "batch_center": losses.dino_batch_center(teacher, DATA_AXIS),
+        }
+        return value, LossOutput(
+            metrics={**metrics, **term_metrics},
+            batch_stats=batch_stats,
+            carry=carry,
+            features=out["avgpool"][:n],
+            # No per-example embeddings: the head's output is out_dim (65536) wide.
+            per_example_loss=per_example,
+            terms=terms,
+        )
+
+    def after_update(state, carry):
+        # state.step counts this update already; DINO's EMA after iteration k uses m(k).
+        momentum = momentum_at(state.step - 1)
+        center = losses.dino_update_center(
+            state.method_state["center"], carry["batch_center"], mcfg.center_momentum
+        )
+        return state.replace(
+            ema_params=common.ema(state.params, state.ema_params, momentum),
+            ema_batch_stats=common.mean_over_devices(carry["ema_batch_stats"]),
+            method_state={"center": center},
+        )
+
+    return Method(
+        init=init,
+        loss=loss,
+        after_update=after_update,
+        model=model,
+        frozen_params=((LAST_LAYER, freeze_steps),) if freeze_steps > 0 else (),
+    )
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Start-up checks that would otherwise fail deep inside the step (or silently)."""
+    from jssl import data
+
+    mcfg = config.method
+    if tuple(config.model.head_dims):
+        raise ValueError(
+            f"model.head_dims={tuple(config.model.head_dims)}: DINO puts its own head on the "
+            "trunk (method.hidden_dim, method.bottleneck_dim, method.out_dim); set "
+            "--config.model.head_dims='()'."
+        )
+    groups = data.crop_groups(config.data)
+    total = sum(g.num_crops for g in groups)
+    teacher = int(mcfg.teacher_crops)
+    leading, sizes = 0, set()
+    for group in groups:
+        if leading >= teacher:
+            break
+        leading += group.num_crops
+        sizes.add(group.size)
+    if total < 2:
+        raise ValueError(
+            f"data.augment.num_crops={tuple(config.data.augment.num_crops)}: DINO compares "
+            "different crops of an image, so it needs at least two crops per image."
+        )
+    if teacher < 1 or leading != teacher:
+        raise ValueError(
+            f"method.teacher_crops={teacher} must be the number of crops in the leading crop "
+            f"groups (data.augment.num_crops={tuple(config.data.augment.num_crops)}): DINO's "
+            "teacher sees the global crops, e.g. num_crops='(1, 1, 8)' (two global crops that "
+            "differ in blur and solarisation, eight local ones) with "
+            "--config.method.teacher_crops=2."
+        )
+    if len(sizes) > 1:
+        raise ValueError(
+            f"method.teacher_crops={teacher} spans crop groups of different sizes {sorted(sizes)}: "
+            "the teacher's (global) crops must share one size (data.augment.crop_sizes)."
+        )
+    for field in ("student_temp", "teacher_temp", "warmup_teacher_temp"):
+        if mcfg[field] <= 0:
+            raise ValueError(
+                f"method.{field}={mcfg[field]} must be positive (DINO: student 0.1, teacher "
+                "0.04 to 0.07)."
+            )
+    for field in ("teacher_momentum", "center_momentum"):
+        if not 0.0 <= mcfg[field] <= 1.0:
+            raise ValueError(f"method.{field}={mcfg[field]} must lie in [0, 1].")
+    for field in ("out_dim", "hidden_dim", "bottleneck_dim", "num_layers"):
+        if int(mcfg[field]) < 1:
+            raise ValueError(f"method.{field}={mcfg[field]} must be a positive integer.")
+    for field in ("warmup_teacher_temp_epochs", "freeze_last_layer_epochs"):
+        if mcfg[field] < 0:
+            raise ValueError(f"method.{field}={mcfg[field]} must be >= 0 (0: none).")
