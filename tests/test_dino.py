@@ -138,6 +138,11 @@ def test_dino_head_shapes_and_normalised_bottleneck():
     logits = head.apply({"params": params}, x)
     # Unit bottleneck and unit-norm prototypes: every logit is a cosine.
     assert logits.shape == (5, 10) and float(jnp.abs(logits).max()) <= 1.0 + 1e-5
+    with_bn = DINOHead(out_dim=10, hidden_dim=8, bottleneck_dim=4, use_bn=True)
+    variables = with_bn.init(jax.random.PRNGKey(1), x, train=False)
+    assert sorted(variables["batch_stats"]) == ["bn0", "bn1"]
+    logits, _ = with_bn.apply(variables, x, train=True, mutable=["batch_stats"])
+    assert logits.shape == (5, 10) and bool(jnp.all(jnp.isfinite(logits)))
 
 
 def test_weight_decay_cosine_schedule_values_and_wiring():
