@@ -48,16 +48,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.data.test_split = "validation"
     c.data.batch_size = 2048
     c.data.image_size = 128
-    a = c.data.augment
-    a.num_crops = (1, 1)
-    a.crop_scale = (0.08, 1.0)
-    a.flip_prob = (0.5,)
-    a.color_strength = 0.5
-    a.color_jitter_prob = (0.8,)
-    a.grayscale_prob = (0.2,)
-    a.blur_prob = (1.0, 0.1)
-    a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = (0.0, 0.2)
+    base.byol_views(c)
 
     # OPTIMIZER sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8), weight_decay
     # 1.5e-6, momentum 0.9, nesterov False, regularize_bn/bias False, num_epochs 1000; lr
@@ -127,10 +118,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     # scale_loss 1 (Barlow Twins' later code drops it), lambda_ 0.0051: SGD at a demo's rate.
     c.loss.weights.invariance = 1.0
     c.loss.weights.redundancy_reduction = LAMBDA
-    a = c.data.augment
-    a.num_crops = (1, 1)
-    a.blur_prob = (0.0,)  # as base.demo_data_and_model: blur destroys 32 px shapes
-    a.solarize_prob = (0.0, 0.2)
+    base.demo_two_views(c)
     o = c.optim
     o.name = "sgd"  # LARC's per-layer steps are made for lr 1.6 at batch 2048 (see SimCLR's demo)
     o.base_lr = 0.3  # 0.15 at batch 128

@@ -176,6 +176,32 @@ def loss_terms(c: ml_collections.ConfigDict, **weights: float) -> None:
     )
 
 
+def byol_views(c: ml_collections.ConfigDict) -> None:
+    """BYOL's asymmetric pair of views (Grill et al. 2020, App. B, Table 6), which Barlow Twins
+    and VICReg reuse: RandomResizedCrop scale 0.08-1, flip 0.5, colour jitter p 0.8 at
+    strength 0.5 (brightness/contrast/saturation 0.4, hue 0.1), grayscale p 0.2, Gaussian blur
+    p 1.0 / 0.1 (sigma 0.1-2.0) and solarisation p 0.0 / 0.2 per view: two crop groups of one
+    crop each, so each view has its own probabilities."""
+    a = c.data.augment
+    a.num_crops = (1, 1)
+    a.crop_scale = (0.08, 1.0)
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.8,)
+    a.color_strength = 0.5
+    a.grayscale_prob = (0.2,)
+    a.blur_prob = (1.0, 0.1)
+    a.blur_sigma = (0.1, 2.0)
+    a.solarize_prob = (0.0, 0.2)
+
+
+def demo_two_views(c: ml_collections.ConfigDict) -> None:
+    """``byol_views`` at the demo's 32 px: no blur (see ``demo_data_and_model``)."""
+    a = c.data.augment
+    a.num_crops = (1, 1)
+    a.blur_prob = (0.0,)
+    a.solarize_prob = (0.0, 0.2)
+
+
 def vissl_8node_larc(c: ml_collections.ConfigDict, warmup_epochs: float, final_fraction: float):
     """The optimizer VISSL's 8-node SimCLR and SwAV recipes share (simclr_8node_resnet.yaml,
     swav_8node_resnet.yaml): sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8),

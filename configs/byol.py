@@ -49,16 +49,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.data.test_split = "validation"
     c.data.batch_size = 4096
     c.data.image_size = 224
-    a = c.data.augment
-    a.num_crops = (1, 1)
-    a.crop_scale = (0.08, 1.0)
-    a.flip_prob = (0.5,)
-    a.color_jitter_prob = (0.8,)
-    a.color_strength = 0.5
-    a.grayscale_prob = (0.2,)
-    a.blur_prob = (1.0, 0.1)
-    a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = (0.0, 0.2)
+    base.byol_views(c)
 
     # LARS (trust coefficient 1e-3, momentum 0.9), biases and BN parameters excluded from both
     # the trust ratio and weight decay (Sec. 3.3; VISSL: regularize_bn False but
@@ -126,9 +117,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.method.predictor_dims = (64, 256, 64)
     # A target that keeps up within a few hundred steps (0.996 is for 300 ImageNet epochs).
     c.method.base_momentum = 0.95
-    a = c.data.augment
-    a.blur_prob = (0.0,)  # blur destroys 32 px shapes (see base.demo_data_and_model)
-    a.solarize_prob = (0.0, 0.2)
+    base.demo_two_views(c)
     o = c.optim
     o.name = "sgd"  # LARS' per-layer steps are made for lr 3.2 at batch 4096 (see SimCLR's demo)
     o.base_lr = 0.3  # 0.15 at batch 128

@@ -42,16 +42,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.data.test_split = "validation"
     c.data.batch_size = 2048
     c.data.image_size = 224
-    a = c.data.augment
-    a.num_crops = (1, 1)
-    a.crop_scale = (0.08, 1.0)
-    a.flip_prob = (0.5,)
-    a.color_strength = 0.5  # jitter (0.4, 0.4, 0.4, 0.1); the code's saturation is 0.2
-    a.color_jitter_prob = (0.8,)
-    a.grayscale_prob = (0.2,)
-    a.blur_prob = (1.0, 0.1)
-    a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = (0.0, 0.2)
+    base.byol_views(c)
 
     # LARS (eta 0.001, momentum 0.9; biases and norms neither decayed nor adapted:
     # exclude_bias_and_norm), weight decay 1e-6, base lr 0.2 per 256 (1.6 at 2048), 1000
@@ -113,10 +104,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.num_epochs = 3
     c.model.head_dims = (128, 512, 512, 64)
     c.model.sync_bn = True
-    a = c.data.augment
-    a.num_crops = (1, 1)
-    a.blur_prob = (0.0,)  # as base.demo_data_and_model: blur destroys 32 px shapes
-    a.solarize_prob = (0.0, 0.2)
+    base.demo_two_views(c)
     o = c.optim
     o.name = "sgd"  # LARS's per-layer steps are made for lr 1.6 at batch 2048
     o.base_lr = 0.4  # 0.2 at batch 128
