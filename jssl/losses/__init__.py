@@ -1,0 +1,40 @@
+"""Pure loss functions of the SSL methods, by topic (contrastive, swav, distillation,
+decorrelation, supervised), all importable from here. No model code: inputs are embeddings
+or scores.
+
+The losses run per replica inside ``jax.shard_map`` over the ``data`` mesh axis; those whose
+terms span the global batch (SimCLR's negatives, SwAV's Sinkhorn sums) take that axis as
+``axis_name`` (None: a single device, no collectives). Each returns the mean over its LOCAL
+examples: the train step's ``pmean`` of loss and gradients then yields the global mean.
+"""
+
+from jssl.losses._util import l2_normalize
+from jssl.losses.contrastive import info_nce_with_queue, multicrop_simclr_info_nce, simclr_info_nce
+from jssl.losses.decorrelation import barlow_twins_terms, vicreg_terms
+from jssl.losses.distillation import (
+    byol_loss,
+    dino_batch_center,
+    dino_cross_entropy,
+    dino_update_center,
+    simsiam_loss,
+)
+from jssl.losses.supervised import cross_entropy, top_k_hits
+from jssl.losses.swav import sinkhorn_knopp, swav_loss
+
+__all__ = [
+    "barlow_twins_terms",
+    "byol_loss",
+    "cross_entropy",
+    "dino_batch_center",
+    "dino_cross_entropy",
+    "dino_update_center",
+    "info_nce_with_queue",
+    "l2_normalize",
+    "multicrop_simclr_info_nce",
+    "simclr_info_nce",
+    "simsiam_loss",
+    "sinkhorn_knopp",
+    "swav_loss",
+    "top_k_hits",
+    "vicreg_terms",
+]
