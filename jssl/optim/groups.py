@@ -1,0 +1,218 @@
+"""Parameters treated apart by the optimizer: learning rates per parameter-path prefix
+(PyTorch parameter groups, VISSL's head optimizer params) and parameters frozen for their first
+steps (VISSL ``MODEL.TEMP_FROZEN_PARAMS_ITER_MAP``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import traverse_util
+
+from jssl.optim.transforms import build_optimizer
+from jssl.schedules import Schedule, peak_learning_rate
+
+
+class FrozenState(NamedTuple):
+    count: jax.Array  # updates applied so far
+    inner: optax.OptState
+
+
+def freeze_for_steps(
+    tx: optax.GradientTransformation, params: Any, frozen: Sequence[tuple[str, int]]
+) -> optax.GradientTransformation:
+    """``tx`` with the parameters under each path prefix held fixed for their first N steps
+    (VISSL ``MODEL.TEMP_FROZEN_PARAMS_ITER_MAP``: SwAV's prototypes for 313 iterations).
+
+    While frozen, a parameter's gradient is zeroed before ``tx`` and its update after it, so
+    it does not move and the loss does not steer ``tx``'s state for it. Deliberate
+    difference: PyTorch skips a parameter whose grad is None altogether, while here coupled
+    weight decay still enters its momentum buffer during the freeze (``wd * p`` per step,
+    1e-6 in VISSL's SwAV recipe, negligible).
+    """
+    frozen = tuple((str(prefix).strip("/"), int(steps)) for prefix, steps in frozen)
+    if not frozen:
+        return tx
+
+    def until(path, _) -> int:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        matches = [n for prefix, n in frozen if name == prefix or name.startswith(prefix + "/")]
+        return max(matches, default=0)
+
+    steps_of = jax.tree_util.tree_map_with_path(until, params)
+    unmatched = [p for p, _ in frozen if not _any_leaf_under(params, p)]
+    if unmatched:
+        raise ValueError(
+            f"Frozen parameter prefix(es) {unmatched} match no parameter; the parameters are "
+            f"{sorted(_leaf_names(params))[:8]}..."
+        )
+
+    def hold(tree, count):
+        return jax.tree.map(lambda x, n: jnp.where(count < n, jnp.zeros_like(x), x), tree, steps_of)
+
+    def init_fn(params):
+        return FrozenState(jnp.zeros([], jnp.int32), tx.init(params))
+
+    def update_fn(updates, state, params=None):
+        updates, inner = tx.update(hold(updates, state.count), state.inner, params)
+        return hold(updates, state.count), FrozenState(state.count + 1, inner)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _leaf_names(params: Any) -> list[str]:
+    return [
+        "/".join(str(getattr(k, "key", k)) for k in path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
+
+
+def _any_leaf_under(params: Any, prefix: str) -> bool:
+    return any(n == prefix or n.startswith(prefix + "/") for n in _leaf_names(params))
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter groups: learning rates per parameter-path prefix
+
+GROUP_SCHEDULES = ("schedule", "constant")
+
+
+class ParamGroup(NamedTuple):
+    prefix: str  # parameter path prefix, "head" or "trunk/layer4_1"
+    lr_multiplier: float
+    schedule: str  # "schedule": multiplier x the run's schedule; "constant": x its peak, always
+
+
+def param_groups(optim_config: ml_collections.ConfigDict) -> tuple[ParamGroup, ...]:
+    """``optim.param_groups`` validated: entries ``(prefix, lr_multiplier)`` or ``(prefix,
+    lr_multiplier, "constant")``, e.g. ``(("head", 10.0),)``. Errors name the field."""
+    entries = tuple(optim_config.get("param_groups", ()) or ())
+    example = "--config.optim.param_groups=\"(('head', 10.0), ('predictor', 1.0, 'constant'))\""
+    groups = []
+    for entry in entries:
+        entry = tuple(entry) if isinstance(entry, (list, tuple)) else (entry,)
+        valid = (
+            len(entry) in (2, 3)
+            and isinstance(entry[0], str)
+            and entry[0].strip("/")
+            and isinstance(entry[1], (int, float))
+            and entry[1] >= 0
+            and (len(entry) == 2 or entry[2] in GROUP_SCHEDULES)
+        )
+        if not valid:
+            raise ValueError(
+                f"optim.param_groups entry {entry!r}: each entry is (prefix, lr_multiplier) or "
+                f"(prefix, lr_multiplier, schedule) with a non-empty parameter-path prefix, a "
+                f"multiplier >= 0 and schedule one of {GROUP_SCHEDULES}; e.g. {example}."
+            )
+        schedule = entry[2] if len(entry) == 3 else "schedule"
+        groups.append(ParamGroup(entry[0].strip("/"), float(entry[1]), schedule))
+    prefixes = [g.prefix for g in groups]
+    if len(set(prefixes)) < len(prefixes):
+        raise ValueError(f"optim.param_groups names a prefix twice: {prefixes}.")
+    return tuple(groups)
+
+
+def build_grouped_optimizer(
+    optim_config: ml_collections.ConfigDict,
+    params: Any,
+    schedule: Schedule,
+    global_batch: int,
+    *,
+    steps_per_epoch: int | None = None,
+    num_epochs: int | None = None,
+) -> optax.GradientTransformation:
+    """:func:`build_optimizer`, with each ``optim.param_groups`` group as its own optimizer
+    (PyTorch parameter groups: VISSL's ``head_optimizer_params`` with ``param_schedulers.lr_head``
+    for the head, or any other prefix).
+
+    A parameter belongs to the group of the longest prefix its path starts with (path
+    components joined by "/"); the others form the default group at the run's schedule. A group's
+    rate is ``lr_multiplier * schedule(step)``, or with ``"constant"`` ``lr_multiplier * peak``
+    at every step, no warmup and no decay (``peak`` the batch-scaled ``base_lr``, as SimSiam's
+    fixed predictor rate: ``(("head/predictor", 1.0, "constant"),)``). Each group runs the whole
+    optimizer (weight-decay mask, momentum, LARC's clip at the group's rate, AdamW's decay times
+    the group's rate) on its own parameters, as a PyTorch optimizer does per group.
+    Without groups this is exactly ``build_optimizer`` (same state, so old checkpoints load).
+    """
+    length = dict(steps_per_epoch=steps_per_epoch, num_epochs=num_epochs)  # weight-decay schedule
+    groups = param_groups(optim_config)
+    if not groups:
+        return build_optimizer(optim_config, params, schedule, **length)
+    names = _leaf_names(params)
+    for group in groups:
+        if not _any_leaf_under(params, group.prefix):
+            raise ValueError(
+                f"optim.param_groups prefix {group.prefix!r} matches no parameter; the "
+                f"parameters are {sorted(names)[:8]}... (paths joined by '/')."
+            )
+    labels = jax.tree_util.tree_map_with_path(lambda path, _: _group_of(path, groups), params)
+    peak = peak_learning_rate(optim_config, global_batch)
+
+    def group_schedule(group: ParamGroup) -> Schedule:
+        if group.schedule == "constant":
+            return optax.constant_schedule(group.lr_multiplier * peak)
+        return lambda step, m=group.lr_multiplier: m * schedule(step)
+
+    used = sorted(set(jax.tree.leaves(labels)))
+    transforms = {}
+    for label in used:
+        sub_params = _select(params, labels, label)
+        rate = schedule if label == len(groups) else group_schedule(groups[label])
+        transforms[label] = build_optimizer(optim_config, sub_params, rate, **length)
+    return _partition(transforms, labels)
+
+
+def _group_of(path, groups: Sequence[ParamGroup]) -> int:
+    """Index of the group with the longest prefix matching ``path``; len(groups) if none."""
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    matches = [
+        (len(g.prefix), i)
+        for i, g in enumerate(groups)
+        if name == g.prefix or name.startswith(g.prefix + "/")
+    ]
+    return max(matches)[1] if matches else len(groups)
+
+
+def _select(tree: Any, labels: Any, label: int) -> dict:
+    """The nested dict of the leaves of ``tree`` labelled ``label`` (paths kept)."""
+    flat = traverse_util.flatten_dict(tree)
+    flat_labels = traverse_util.flatten_dict(labels)
+    return traverse_util.unflatten_dict({k: v for k, v in flat.items() if flat_labels[k] == label})
+
+
+class PartitionState(NamedTuple):
+    inner: tuple  # one optimizer state per group present, in label order
+
+
+def _partition(transforms: dict[int, optax.GradientTransformation], labels: Any):
+    """Each labelled part of the tree through its own transformation, merged back in place.
+    (optax.multi_transform masks with placeholder nodes, which the weight-decay and
+    trust-ratio masks built on the full tree cannot follow; sub-trees keep them exact.)"""
+    order = sorted(transforms)
+
+    def init_fn(params):
+        return PartitionState(
+            tuple(transforms[label].init(_select(params, labels, label)) for label in order)
+        )
+
+    def update_fn(updates, state, params=None):
+        merged, inner = {}, []
+        for label, part_state in zip(order, state.inner, strict=True):
+            part_params = None if params is None else _select(params, labels, label)
+            part, new_state = transforms[label].update(
+                _select(updates, labels, label), part_state, part_params
+            )
+            merged.update(traverse_util.flatten_dict(part))
+            inner.append(new_state)
+        # Laid out as the incoming tree (its dict types and key order) for the caller.
+        out = jax.tree_util.tree_map_with_path(
+            lambda path, _: merged[tuple(getattr(k, "key", k) for k in path)], updates
+        )
+        return out, PartitionState(tuple(inner))
+
+    return optax.GradientTransformation(init_fn, update_fn)
