@@ -43,7 +43,9 @@ def main(argv):
 
     import jax
 
-    from jssl import engines
+    from jssl import checkpoint, engines
+
+    checkpoint.quiet_orbax_info_logs()
 
     logging.info(
         "jssl: %d process(es), %d device(s) (%s)",

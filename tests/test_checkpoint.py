@@ -361,3 +361,25 @@ def test_is_corrupt_tells_damage_from_storage_errors_and_config_changes():
     assert not checkpoint.is_corrupt(RuntimeError("anything else"))
     mismatch = ValueError("Requested shape: (4, 5) is not compatible with the stored shape")
     assert checkpoint.is_mismatch(mismatch) and not checkpoint.is_corrupt(mismatch)
+
+
+def test_orbax_info_records_are_dropped_from_the_run_log_but_not_warnings():
+    from absl import logging as absl_logging
+
+    handler = absl_logging.get_absl_handler()
+    before = list(handler.filters)
+    checkpoint.quiet_orbax_info_logs()
+    try:
+
+        def record(path, level):
+            return logging.LogRecord("absl", level, path, 1, "message", None, None)
+
+        orbax_file = os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "x.py")
+        assert not handler.filter(record(orbax_file, logging.INFO))
+        assert handler.filter(record(orbax_file, logging.WARNING))
+        assert handler.filter(record(os.path.join(os.sep, "jssl", "train.py"), logging.INFO))
+        absl_logging.set_verbosity(absl_logging.DEBUG)  # --verbosity=1 shows everything
+        assert handler.filter(record(orbax_file, logging.INFO))
+    finally:
+        absl_logging.set_verbosity(absl_logging.INFO)
+        handler.filters[:] = before
