@@ -202,6 +202,35 @@ def demo_two_views(c: ml_collections.ConfigDict) -> None:
     a.solarize_prob = (0.0, 0.2)
 
 
+def demo_lars(c: ml_collections.ConfigDict, base_lr: float, weight_decay: float) -> None:
+    """LARS as solo-learn trains the non-contrastive methods on CIFAR at 32 px
+    (vturrisi/solo-learn scripts/pretrain/cifar/{vicreg,barlow,byol,dino}.yaml): trust
+    coefficient eta 0.02, not the ImageNet recipes' 0.001, biases and norms neither decayed nor
+    adapted, ``base_lr`` per 256 images, warmup then cosine. Plain SGD at a demo's learning
+    rate left VICReg and Barlow Twins below random-init features in 186 steps; this learns
+    (see their demo presets). Deliberate difference: solo-learn also clips each layer's rate
+    at the global one (``clip_lr``); optax's LARS does not."""
+    o = c.optim
+    o.name = "lars"
+    o.lars_eta = 0.02
+    o.trust_ratio_exclude = "bias_and_norm"
+    o.regularize_bn = False
+    o.regularize_bias = False
+    o.base_lr = base_lr
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.weight_decay = weight_decay
+    o.momentum = 0.9
+    o.nesterov = False
+    o.schedule = "cosine"
+    o.warmup_epochs = 1
+    o.warmup_start_lr = 0.0
+    o.warmup_start_nodes = 0
+    o.interval_scaling = "rescaled"
+    o.final_lr_fraction = 0.0
+    o.update_interval = "step"
+
+
 def vissl_8node_larc(c: ml_collections.ConfigDict, warmup_epochs: float, final_fraction: float):
     """The optimizer VISSL's 8-node SimCLR and SwAV recipes share (simclr_8node_resnet.yaml,
     swav_8node_resnet.yaml): sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8),

@@ -87,14 +87,16 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:
-    """The demo data and network every method's demo uses; VICReg's loss.
+    """The demo data and network every method's demo uses; VICReg's loss; solo-learn's CIFAR
+    LARS (``base.demo_lars``, scripts/pretrain/cifar/vicreg.yaml: lr 0.3 per 256, weight
+    decay 1e-4).
 
-    NOT YET TUNED: measured on the demo (3 epochs, seed 0, 2 cores shared with other jobs),
-    this preset reaches kNN top-1 56.4% vs 62.9% for random-init features, below random, in
-    11.1 min on the shared machine. The variance term dominates and does not fall (0.69 ->
-    0.7; the embeddings' standard deviation stays near 0.27 instead of reaching 1), so the
-    expander's output is not being spread; a larger learning rate, no weight decay on the
-    expander's last layer, or LARS (the recipe's optimizer) are the next things to try.
+    Measured on the demo (3 epochs = 186 steps, seed 0, kNN top-1 learned vs random init
+    62.9%): with plain SGD (lr 0.2 at batch 128, weight decay 5e-4) 56.4%, below random: the
+    variance term did not fall (0.69 -> 0.7; the embeddings' std stayed near 0.27, then shrank
+    to 0.2, as the invariance term pulled the views together faster than the variance hinge
+    spread them). With this LARS the std rose steadily (0.30 at step 20, 0.47 at step 140)
+    and the run reached 92.2% (323 s on 2 cores shared with the test suite).
     The output is 64-d, below the batch of 128, as Barlow Twins' demo needs (the covariance
     of N images has rank < N).
     """
@@ -105,12 +107,4 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.head_dims = (128, 512, 512, 64)
     c.model.sync_bn = True
     base.demo_two_views(c)
-    o = c.optim
-    o.name = "sgd"  # LARS's per-layer steps are made for lr 1.6 at batch 2048
-    o.base_lr = 0.4  # 0.2 at batch 128
-    o.warmup_epochs = 1
-    o.interval_scaling = "rescaled"
-    o.final_lr_fraction = 0.0
-    o.weight_decay = 5e-4
-    o.regularize_bn = True
-    o.regularize_bias = True
+    base.demo_lars(c, base_lr=0.3, weight_decay=1e-4)
