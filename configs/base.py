@@ -154,6 +154,12 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     c.eval_outputs = True  # per-example test-split outputs in workdir/eval/epoch_<n>/
 
+    # JAX's persistent compilation cache: compiled steps are kept here and reused by a later
+    # launch with the same shapes (a resume, a rerun, an evaluation of the same model), which
+    # then skips most of its compile time. "" leaves JAX's own setting (off unless
+    # JAX_COMPILATION_CACHE_DIR is set); a directory JAX already uses wins over this one.
+    c.compilation_cache_dir = "~/.cache/jssl/jax_compilation_cache"
+
     c.debug = ml_collections.ConfigDict()
     c.debug.nans = False  # jax_debug_nans: fail at the first op producing a NaN (slow)
     c.debug.profile = False  # write a profiler trace of a few steps to the workdir

@@ -57,6 +57,7 @@ SAFE_FIELDS = (
     # knn_random_init.json, computed once at the start of the workdir)
     "data.cache",  # the same examples, kept in memory or not
     "data.data_dir",  # the same dataset found at another path (a moved or staged copy)
+    "compilation_cache_dir",  # where compiled steps are cached, not what they compute
 )
 
 

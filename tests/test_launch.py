@@ -178,3 +178,31 @@ def test_knn_comparison_line(tmp_path, shared_dirs):
     assert len(lines) == 1, result.stdout
     assert "learned " in lines[0] and "% vs random init " in lines[0] and lines[0].endswith("%")
     assert os.path.exists(tmp_path / "run" / "knn_random_init.json")
+
+
+def test_compilation_cache_dir_is_used_unless_jax_already_has_one(tmp_path):
+    import jax
+
+    from configs import moco
+    from jssl import engines
+
+    config = moco.get_config("test")
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        config.compilation_cache_dir = ""
+        assert engines.enable_compilation_cache(config) is None  # off
+        config.compilation_cache_dir = str(tmp_path / "cache")
+        assert engines.enable_compilation_cache(config) == str(tmp_path / "cache")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+        assert (tmp_path / "cache").is_dir()
+        # A directory JAX already uses (JAX_COMPILATION_CACHE_DIR, or the caller's) wins.
+        config.compilation_cache_dir = str(tmp_path / "other")
+        assert engines.enable_compilation_cache(config) == str(tmp_path / "cache")
+        jax.config.update("jax_compilation_cache_dir", None)
+        (tmp_path / "file").write_text("")
+        config.compilation_cache_dir = str(tmp_path / "file" / "cache")
+        with pytest.raises(ValueError, match="compilation_cache_dir=.*cannot create"):
+            engines.enable_compilation_cache(config)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

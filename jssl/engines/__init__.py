@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import ml_collections
+from absl import logging
 
 from jssl import workdir as workdir_lib
 
@@ -22,10 +24,37 @@ def exit_status(summary: dict[str, Any]) -> int:
     return preemption.PREEMPTED_EXIT_CODE if summary.get("preempted") else 0
 
 
+def enable_compilation_cache(config: ml_collections.ConfigDict) -> str | None:
+    """Points JAX's persistent compilation cache at ``config.compilation_cache_dir`` unless
+    JAX already has a cache directory (``JAX_COMPILATION_CACHE_DIR``, or set by the caller).
+    Returns the directory in use, None when the cache is off. Only compilations of 1 s or
+    more are cached (JAX's default threshold), so small helper functions do not fill it."""
+    import jax
+
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    wanted = config.get("compilation_cache_dir", "")
+    if not wanted:
+        return None
+    path = os.path.abspath(os.path.expanduser(wanted))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"compilation_cache_dir={wanted!r}: cannot create {path} ({e.strerror}); pass a "
+            "writable directory, or --config.compilation_cache_dir='' to turn the cache off."
+        ) from None
+    jax.config.update("jax_compilation_cache_dir", path)
+    logging.info("JAX compilation cache: %s", path)
+    return path
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     name = config.engine
     if name not in ENGINES:
         raise ValueError(f"engine={name!r} is not one of {ENGINES}; set --config.engine.")
+    enable_compilation_cache(config)
     module = {"extract_features": "extract", "knn": "evaluate", "linear_eval": "evaluate"}
     engine = importlib.import_module(f"jssl.engines.{module.get(name, name)}")
     run_engine = getattr(engine, "run_" + name if name in module else "run")
