@@ -18,13 +18,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
 
 
+def shared_cache_dir(tmp_path_factory):
+    """One JAX compilation cache for the whole test session, shared by pytest-xdist's
+    workers (their tmp dirs sit side by side under the session's), so a step that one test
+    compiled is read from disk by every later test that builds the same one."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    cache_dir = base / "jssl_jax_cache"
+    cache_dir.mkdir(exist_ok=True)
+    return cache_dir
+
+
 def prepare_shared_dirs(tmp_path_factory) -> tuple[str, str]:
     """(data_dir, compilation cache dir) under the session's tmp dir, shared by the test files;
     the demo dataset is generated there on first use."""
     base = tmp_path_factory.getbasetemp()
-    data_dir, cache_dir = base / "jssl_tfds", base / "jssl_jax_cache"
+    data_dir, cache_dir = base / "jssl_tfds", shared_cache_dir(tmp_path_factory)
     data_dir.mkdir(exist_ok=True)
-    cache_dir.mkdir(exist_ok=True)
     import jssl.data
     from configs import moco
 
