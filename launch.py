@@ -43,9 +43,9 @@ def main(argv):
 
     import jax
 
-    from jssl import checkpoint, engines
+    from jssl import engines
 
-    checkpoint.quiet_orbax_info_logs()
+    engines.quiet_orbax_info_logs()
 
     logging.info(
         "jssl: %d process(es), %d device(s) (%s)",

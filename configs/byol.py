@@ -100,9 +100,9 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     than the rest (BYOL App. F; Tian et al. 2021, "Understanding self-supervised learning
     dynamics without contrastive pairs": the predictor must keep up with the encoder).
 
-    6 epochs (372 steps): 8 min 4 s on 2 cores from a fresh clone, over the 5 minutes the other
-    demos take; shorter runs did not learn. Measured (seed 0, kNN top-1 learned vs random init 57.6%; 2
-    cores shared with other jobs):
+    6 epochs (372 steps): 8 min 4 s on 2 cores from a fresh clone, over the 5 minutes the
+    other demos take; shorter runs did not learn. Measured (seed 0, kNN top-1 learned vs random
+    init 57.6%; 2 cores shared with other jobs):
     - this preset: 72.3% after epoch 2, 85.2% after epoch 4, **87.1%** at the end (824 s on the
       shared machine);
     - the same in 4 or 5 epochs: 61.8% and 62.0% (441 s and 425 s);

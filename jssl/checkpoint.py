@@ -63,21 +63,6 @@ _MISMATCH_MESSAGES = (
 )
 
 
-def quiet_orbax_info_logs() -> None:
-    """Keeps orbax's INFO records (about 40 lines per save: throughput, metadata, renames) out
-    of the log of a run started with the default ``--verbosity=0``; its warnings and errors
-    still show, and ``--verbosity=1`` shows everything."""
-    import logging as std_logging
-
-    class _DropOrbaxInfo(std_logging.Filter):
-        def filter(self, record: std_logging.LogRecord) -> bool:
-            if record.levelno >= std_logging.WARNING or logging.get_verbosity() >= 1:
-                return True
-            return f"{os.sep}orbax{os.sep}" not in record.pathname
-
-    logging.get_absl_handler().addFilter(_DropOrbaxInfo())
-
-
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 

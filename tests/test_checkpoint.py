@@ -366,9 +366,11 @@ def test_is_corrupt_tells_damage_from_storage_errors_and_config_changes():
 def test_orbax_info_records_are_dropped_from_the_run_log_but_not_warnings():
     from absl import logging as absl_logging
 
+    from jssl import engines
+
     handler = absl_logging.get_absl_handler()
     before = list(handler.filters)
-    checkpoint.quiet_orbax_info_logs()
+    engines.quiet_orbax_info_logs()
     try:
 
         def record(path, level):
