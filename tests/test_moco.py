@@ -74,7 +74,7 @@ def test_queue_must_be_multiple_of_batch():
 
 def test_unknown_method_is_clear():
     config = moco.get_config("test")
-    config.method.name = "mocov3"
+    config.method.name = "moco_v9"
     with pytest.raises(ValueError, match="method.name"):
         methods.get(config)
 

@@ -9,7 +9,12 @@ examples: the train step's ``pmean`` of loss and gradients then yields the globa
 """
 
 from jssl.losses._util import l2_normalize
-from jssl.losses.contrastive import info_nce_with_queue, multicrop_simclr_info_nce, simclr_info_nce
+from jssl.losses.contrastive import (
+    info_nce_with_queue,
+    mocov3_info_nce,
+    multicrop_simclr_info_nce,
+    simclr_info_nce,
+)
 from jssl.losses.decorrelation import barlow_twins_terms, vicreg_terms
 from jssl.losses.distillation import (
     byol_loss,
@@ -30,6 +35,7 @@ __all__ = [
     "dino_update_center",
     "info_nce_with_queue",
     "l2_normalize",
+    "mocov3_info_nce",
     "multicrop_simclr_info_nce",
     "simclr_info_nce",
     "simsiam_loss",

@@ -1,5 +1,6 @@
-"""Contrastive losses: MoCo's InfoNCE against a queue and SimCLR's NT-Xent (two crops and
-VISSL's multi-crop form), negatives from the global batch."""
+"""Contrastive losses: MoCo's InfoNCE against a queue, MoCo v3's symmetric InfoNCE against the
+momentum keys of the global batch, and SimCLR's NT-Xent (two crops and VISSL's multi-crop form),
+negatives from the global batch."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 
 from jssl.losses._util import (
     _stack_crops,
+    _two_views,
     l2_normalize,
 )
 
@@ -41,6 +43,66 @@ def info_nce_with_queue(
         "contrastive_acc": jnp.mean((jnp.argmax(logits, axis=1) == 0).astype(jnp.float32)),
         "pos_similarity": jnp.mean(pos),
         "neg_similarity": jnp.mean(neg),
+    }
+    return jnp.mean(per_example), metrics, per_example
+
+
+def mocov3_info_nce(
+    queries: Sequence[jax.Array] | jax.Array,
+    keys: Sequence[jax.Array] | jax.Array,
+    temperature: float,
+    axis_name: str | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
+    """MoCo v3's symmetrised contrastive loss (Chen, Xie, He 2021, Alg. 1; facebookresearch/moco-v3
+    moco/builder.py ``MoCo.contrastive_loss`` and ``forward``): ``ctr(q1, k2) + ctr(q2, k1)``.
+
+    ``ctr(q, k)`` is the cross-entropy of classifying, for each local query, the momentum key of
+    the other view of its own image among the keys of the GLOBAL batch (no queue: the other
+    images' keys are the negatives), with cosine logits divided by ``temperature``, times
+    ``2 * temperature`` (the reference's scaling, which makes the gradient's size independent of
+    T). Keys get no gradient (the momentum encoder's outputs are a stop-gradient) and are
+    gathered from every replica; a query's positive sits at its global index
+    ``replica * n + i``, the 1-device order.
+
+    Args:
+      queries: (2, n, d) predictor outputs of the online encoder for views 1 and 2 of this
+        replica's n images (normalised here), or a pair of (n, d) arrays.
+      keys: (2, n, d) momentum-encoder projections of the same views, aligned with ``queries``.
+      temperature: logits are divided by it (the reference: 0.2 for ViT, 1.0 for ResNet).
+      axis_name: the mesh axis the batch is sharded on when called per replica inside
+        ``jax.shard_map``; None on a single device.
+
+    Returns:
+      The mean over local images of the per-image loss; diagnostics (``contrastive_acc``: the
+      positive key has the largest logit, ``pos_similarity``, ``neg_similarity``: mean cosines
+      of queries to positive and to negative keys); and the (n,) per-image losses,
+      ``2T * (ce(q1_i, k2) + ce(q2_i, k1))``, whose local mean is the reference's ``l1 + l2``.
+    """
+    q = l2_normalize(_two_views(queries, "queries").astype(jnp.float32))  # (2, n, d)
+    k = jax.lax.stop_gradient(l2_normalize(_two_views(keys, "keys").astype(jnp.float32)))
+    n = q.shape[1]
+    if axis_name is None:
+        everyone, first = k, 0
+    else:
+        everyone = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)  # (2, N, d)
+        first = jax.lax.axis_index(axis_name) * n
+    # View v's queries against the other view's keys: q1 with k2, q2 with k1.
+    cos = jnp.einsum("vnd,vmd->vnm", q, everyone[::-1])  # (2, n, N)
+    logits = cos / temperature
+    positive = first + jnp.arange(n)  # (n,) global index of each query's own image
+    pos_logit = jnp.take_along_axis(logits, positive[None, :, None], axis=2)[..., 0]  # (2, n)
+    cross_entropy = jax.nn.logsumexp(logits, axis=2) - pos_logit
+    per_example = 2.0 * temperature * jnp.sum(cross_entropy, axis=0)
+
+    is_positive = jnp.arange(everyone.shape[1])[None, :] == positive[:, None]  # (n, N)
+    num_neg = everyone.shape[1] - 1
+    metrics = {
+        "contrastive_acc": jnp.mean(
+            (jnp.argmax(logits, axis=2) == positive[None, :]).astype(jnp.float32)
+        ),
+        "pos_similarity": jnp.mean(pos_logit) * temperature,
+        "neg_similarity": jnp.sum(jnp.where(is_positive[None], 0.0, cos))
+        / (2 * n * max(num_neg, 1)),
     }
     return jnp.mean(per_example), metrics, per_example
 

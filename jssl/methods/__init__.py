@@ -41,6 +41,7 @@ import ml_collections
 
 METHODS = (
     "moco",
+    "mocov3",
     "simclr",
     "swav",
     "byol",

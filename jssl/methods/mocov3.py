@@ -1,0 +1,190 @@
+"""MoCo v3 (Chen, Xie, He 2021, "An Empirical Study of Training Self-Supervised Vision
+Transformers"), following its reference code, facebookresearch/moco-v3 (moco/builder.py
+``MoCo``, ``MoCo_ResNet``, ``MoCo_ViT``; main_moco.py; vits.py). VISSL has no MoCo v3, so
+there is no VISSL file to follow; the reference repository takes its place.
+
+The base encoder is the trunk + projector (``params["trunk"]``, ``params["head"]``: an MLP
+without biases, BN after each hidden layer and an affine-free BN on its output,
+``_build_mlp(..., last_bn=True)``) followed by the predictor (``params["predictor"]``, its own
+subtree as BYOL's: 2 layers, BN after the hidden one; affine-free output BN for ViT, none for
+ResNet). The momentum encoder is an EMA of the trunk and projector only (``ema_params``), no
+predictor. Per step each view goes through the base encoder (queries ``q1``, ``q2``) and the
+momentum encoder (keys ``k1``, ``k2``), ONE VIEW AT A TIME as the reference's forward does, so
+train-mode batch norm normalises each view's batch on its own and the running statistics
+move twice per step. The loss is ``ctr(q1, k2) + ctr(q2, k1)``
+(``jssl.losses.mocov3_info_nce``, loss term ``info_nce``): InfoNCE against the keys of the
+global batch (gathered over the mesh's data axis; no queue), each scaled by ``2 * T``. The
+keys get no gradient.
+
+Momentum: cosine from ``base_momentum`` (0.99) to ``final_momentum`` (1) over the run
+(main_moco.py ``adjust_moco_momentum`` with ``--moco-m-cos``, per iteration). The reference
+updates the momentum encoder at the start of iteration k, from the base encoder after k
+optimizer steps, with ``m(k)``; here ``after_update`` does the same update at the end of the
+step that made those k steps, so the keys of every step come from the same encoder.
+
+ViT (``method.freeze_patch_embed``, the reference's ``--stop-grad-conv1``, Sec. 4.2 of the
+paper): the patch projection stays at its random init for the whole run. It is frozen through
+the optimizer (``Method.frozen_params``, ``jssl.optim.freeze_for_steps``), which zeroes its
+gradient and its update, so AdamW's weight decay does not move it either (the reference sets
+``requires_grad=False``, so AdamW skips it).
+
+Deliberate differences from the reference:
+- Per-device batch-norm running statistics (``model.sync_bn=False``) of both encoders are
+  averaged over devices after each step; the reference converts every BN to SyncBN (our
+  presets' ``sync_bn=True``).
+- The EMA runs after the optimizer step instead of before the next forward (the same values,
+  see above); the checkpoint of step k therefore holds the momentum encoder step k+1 uses.
+- jssl's ViT trunk (``model.trunk="vit_*"``) learns its position embeddings; the reference's
+  ViT uses fixed 2-D sin-cos position embeddings (vits.py
+  ``build_2d_sincos_position_embedding``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jssl import losses, models
+from jssl.methods import LossOutput, Method, common
+from jssl.methods.byol import (
+    PREDICTOR,
+    apply_predictor,
+    check_predictor,
+    init_with_predictor,
+    without_predictor,
+)
+from jssl.parallel import DATA_AXIS
+
+TERMS = ("info_nce",)
+# The ViT's patch projection, frozen for the whole run: more steps than any run takes (the
+# optimizer's step counter is int32).
+PATCH_EMBED = "trunk/patch_embed"
+WHOLE_RUN = 2**31 - 1
+
+
+def build_predictor(config: ml_collections.ConfigDict, model: Any) -> models.MLPHead:
+    """The reference's predictor, ``_build_mlp(2, dim, mlp_dim, dim, last_bn)``: bias-free
+    Dense layers of ``method.predictor_dims``, BN after the hidden one (``predictor_bn``), an
+    affine-free BN on the output when ``method.predictor_last_bn`` (ViT: yes, ResNet: no)."""
+    mcfg = config.method
+    return models.MLPHead(
+        dims=tuple(int(d) for d in mcfg.predictor_dims),
+        use_bn=mcfg.predictor_bn,
+        last_bn=mcfg.predictor_last_bn,
+        use_bias=False,
+        dtype=model.head.dtype,
+        bn_axis_name=model.head.bn_axis_name,
+    )
+
+
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
+    mcfg = config.method
+    model = models.build_model(
+        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
+    )
+    predictor = build_predictor(config, model)
+    # Evaluation engines pass no epoch length; the momentum is then never used.
+    total_steps = int(config.num_epochs * steps_per_epoch) if steps_per_epoch else 1
+    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+
+    def momentum_at(steps_done: jax.Array) -> jax.Array:
+        return common.cosine_momentum(
+            steps_done, total_steps, mcfg.base_momentum, mcfg.final_momentum
+        )
+
+    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
+        params, batch_stats, variables = init_with_predictor(model, predictor, rng, images)
+        return dict(
+            params=params,
+            batch_stats=batch_stats,
+            # The momentum encoder starts as a copy of the trunk and projector (builder.py
+            # ``param_m.data.copy_(param_b.data)``); the predictor has no counterpart.
+            ema_params=jax.tree.map(jnp.copy, variables["params"]),
+            ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
+        )
+
+    def loss(params, state, batch, rng, train: bool = True):
+        views = common.views(batch)
+        online_params = without_predictor(params)
+        online_stats = without_predictor(state.batch_stats)
+        predictor_stats = {PREDICTOR: state.batch_stats[PREDICTOR]}
+        ema_stats = state.ema_batch_stats
+        queries, keys, first = [], [], None
+        for view in views:  # one view at a time, as the reference's forward
+            out, online_stats = common.apply_model(model, online_params, online_stats, view, train)
+            q, new_predictor_stats = apply_predictor(
+                predictor, params, predictor_stats, out["head"], train
+            )
+            predictor_stats = {PREDICTOR: new_predictor_stats}
+            target, ema_stats = common.apply_model(model, state.ema_params, ema_stats, view, train)
+            queries.append(q)
+            keys.append(target["head"])
+            first = out if first is None else first
+        _, metrics, info_nce = losses.mocov3_info_nce(
+            jnp.stack(queries), jnp.stack(keys), mcfg.temperature, DATA_AXIS
+        )
+        terms = {"info_nce": info_nce}
+        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+        # The momentum the encoder update after this step uses.
+        metrics["encoder_momentum"] = momentum_at(state.step + 1)
+        return value, LossOutput(
+            metrics={**metrics, **term_metrics},
+            batch_stats={**online_stats, **predictor_stats},
+            carry={"ema_batch_stats": ema_stats},
+            features=first["avgpool"],
+            embeddings=first["head"],
+            per_example_loss=per_example,
+            terms=terms,
+        )
+
+    def after_update(state, carry):
+        # state.step counts the optimizer steps done, this one included.
+        momentum_encoder = common.ema(
+            without_predictor(state.params), state.ema_params, momentum_at(state.step)
+        )
+        return state.replace(
+            ema_params=momentum_encoder,
+            ema_batch_stats=common.mean_over_devices(carry["ema_batch_stats"]),
+        )
+
+    frozen = ((PATCH_EMBED, WHOLE_RUN),) if mcfg.freeze_patch_embed else ()
+    return Method(
+        init=init, loss=loss, after_update=after_update, model=model, frozen_params=frozen
+    )
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Start-up checks that would otherwise fail deep inside the step (or silently)."""
+    from jssl import data
+
+    total = data.total_crops(config.data)
+    if total != 2:
+        raise ValueError(
+            f"data.augment.num_crops={tuple(config.data.augment.num_crops)}: MoCo v3 takes "
+            "exactly two crops of each image (each view's query against the other's key); set "
+            "--config.data.augment.num_crops='(1, 1)' (two groups of one crop, BYOL's "
+            "asymmetric views) or '(2,)'."
+        )
+    mcfg = config.method
+    if mcfg.temperature <= 0:
+        raise ValueError(
+            f"method.temperature={mcfg.temperature} must be positive (MoCo v3: 0.2 for ViT, "
+            "1.0 for ResNet): set --config.method.temperature."
+        )
+    if not 0.0 <= mcfg.base_momentum <= mcfg.final_momentum <= 1.0:
+        raise ValueError(
+            f"method.base_momentum={mcfg.base_momentum} and method.final_momentum="
+            f"{mcfg.final_momentum} must satisfy 0 <= base <= final <= 1 (MoCo v3: 0.99 -> 1; "
+            "final = base for a constant momentum)."
+        )
+    check_predictor(config, "MoCo v3: (256, 4096, 256)")
+    if mcfg.freeze_patch_embed and not str(config.model.trunk).startswith("vit"):
+        raise ValueError(
+            f"method.freeze_patch_embed=True freezes a ViT's patch projection, but "
+            f"model.trunk={config.model.trunk!r} has none; set "
+            "--config.method.freeze_patch_embed=False (the ResNet recipe trains every layer), "
+            "or use a ViT trunk (--config.model.trunk=vit_small)."
+        )
