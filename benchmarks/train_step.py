@@ -41,7 +41,9 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     from jssl.train_step import make_train_step, stop_flags
 
     spec = CASES[case]
-    config = importlib.import_module(f"configs.{method_name}").get_config()
+    # MoCo v3's default preset is ViT-S/16; its ResNet recipe fits these cases.
+    preset = "resnet50" if method_name == "mocov3" else ""
+    config = importlib.import_module(f"configs.{method_name}").get_config(preset)
     config.model.trunk = spec["trunk"]
     config.model.cifar_stem = spec["cifar_stem"]
     config.model.head_dims = (spec["head"], 2048, 128)
@@ -58,8 +60,8 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
         config.method.queue_size = 16384
     if method_name == "swav":
         config.data.augment.crop_sizes = (spec["image_size"], spec["small"])
-    if method_name in ("byol", "simsiam"):  # the predictor's bottleneck ratio of each paper
-        config.method.predictor_dims = (128, 2048 if method_name == "byol" else 32, 128)
+    if method_name in ("byol", "simsiam", "mocov3"):  # the predictor's ratio of each paper
+        config.method.predictor_dims = (128, 32 if method_name == "simsiam" else 2048, 128)
     if method_name == "dino":  # 2 global + 6 local crops, as SwAV's
         config.data.augment.num_crops = (1, 1, 6)
         config.data.augment.crop_sizes = (spec["image_size"], spec["image_size"], spec["small"])

@@ -148,9 +148,18 @@ def _resnet50(c: ml_collections.ConfigDict) -> None:
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:
-    """The demo data and network every method's demo uses, MoCo v3's ResNet recipe.
+    """The demo data and network every method's demo uses, MoCo v3's ResNet recipe with
+    solo-learn's CIFAR optimizer (vturrisi/solo-learn scripts/pretrain/cifar/mocov3.yaml: LARS
+    eta 0.02 without biases and norms, lr 0.3 per 256, weight decay 1e-6, T 0.2; its tau_base
+    0.99) and a momentum encoder that keeps up within a few hundred steps (tau_base 0.95).
 
-    TUNING IN PROGRESS.
+    Measured on the demo (3 epochs = 186 steps, seed 0, kNN top-1 learned vs random init
+    57.6%; wall time on 2 cores shared with other sessions):
+    - tau_base 0.99, lr 0.3, weight decay 1e-5: 81.0% (4 min 9 s);
+    - tau_base 0.99, lr 1.0, weight decay 1e-6: 79.5% (3 min 26 s); the loss falls faster
+      (contrastive accuracy 6.6% vs 4.4% at step 180) but the features do not improve;
+    - tau_base 0.95, lr 0.3, weight decay 1e-6 (this preset): **83.5%** (3 min 27 s).
+    The loss starts at 2T * 2 ln 128 = 3.88 (chance over the 128 keys of the batch).
     """
     base.demo_data_and_model(c)
     c.model.dtype = "float32"
@@ -159,5 +168,6 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.sync_bn = True
     c.method.predictor_dims = (64, 256, 64)
     c.method.temperature = 0.2
+    c.method.base_momentum = 0.95
     base.demo_two_views(c)
-    base.demo_lars(c, base_lr=0.3, weight_decay=1e-5)
+    base.demo_lars(c, base_lr=0.3, weight_decay=1e-6)

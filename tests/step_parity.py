@@ -23,8 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 GLOBAL_BATCH = 16
 # Steps per method: SwAV's 4 cover its frozen prototypes (2 steps) and its queue (on from 3).
-# BYOL's, SimSiam's and DINO's 3 let the target, predictor and centre move twice.
-STEPS = {"swav": 4, "byol": 3, "simsiam": 3, "dino": 3}
+# BYOL's, SimSiam's, DINO's and MoCo v3's 3 let the target, predictor and centre move twice.
+STEPS = {"swav": 4, "byol": 3, "simsiam": 3, "dino": 3, "mocov3": 3}
 
 
 def configure(method: str):

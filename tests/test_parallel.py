@@ -43,6 +43,9 @@ PARITY = {
     "simclr": "negatives from every device: a missing gather or a gradient cut at it",
     "swav": "Sinkhorn sums over every device and each device's slice of the queue (on from "
     "step 3 here), multi-crop 2x16 + 4x8 px, prototypes frozen for 2 steps",
+    "mocov3": "negatives from every device's keys (the keys gathered, the queries' gradients "
+    "local), synchronised BN of each view's batch in base and momentum encoders and the "
+    "predictor, and the momentum encoder's EMA",
     "byol": "synchronised BN in trunk, projector and predictor, online and target, and the "
     "target's EMA of parameters that must agree too",
     "simsiam": "synchronised BN of each view's batch and the collapse monitor's statistics over "
