@@ -30,6 +30,12 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.head_last_bn = False  # affine-free BN on the head's output (MoCo v3 projector)
     c.model.sync_bn = False  # True: batch statistics over the global batch (VISSL SYNC_BN)
     c.model.dtype = "float32"  # "bfloat16": bf16 compute, float32 params/optimizer/BN/loss
+    # ViT trunks (model.trunk="vit_tiny" | "vit_small" | "vit_base"): patch size, the
+    # resolution the position embeddings are laid out for (other crop sizes resample them),
+    # and the stochastic depth of the last block.
+    c.model.patch_size = 16
+    c.model.image_size = 224
+    c.model.drop_path_rate = 0.0
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "demo"  # "demo" | "tfds" | "folder"

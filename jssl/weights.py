@@ -7,7 +7,8 @@ Sources (``init.checkpoint``):
   TrainState are read (orbax partial restore), so the optimizer, the momentum encoder and
   the queue are never loaded and the optimizer config does not have to match;
 - a PyTorch ResNet file (``.torch`` from VISSL's model zoo, ``.pth``/``.pt`` from
-  torchvision or MoCo): the trunk comes from the file, the head stays randomly initialised.
+  torchvision or MoCo) or ViT file (timm, DINO, MoCo v3; ``model.trunk="vit_*"``): the trunk
+  comes from the file, the head stays randomly initialised.
 
 Two users:
 
@@ -296,13 +297,17 @@ def describe_model(config: ml_collections.ConfigDict) -> str:
 
 
 def read_torch(path: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """``{"params", "batch_stats"}`` host trees imported from a PyTorch ResNet file."""
+    """``{"params", "batch_stats"}`` host trees imported from a PyTorch ResNet file (only
+    ``params`` from a ViT file: a ViT has no batch statistics)."""
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise WeightsError(f"PyTorch weights file {path} does not exist. {_VALID}")
-    from jssl.models import torch_import
+    from jssl import models
+    from jssl.models import torch_import, vit_import
 
     try:
+        if models.is_vit(config.model):
+            return vit_import.import_torch_vit(path, config.model)
         return torch_import.import_torch_resnet(path, config.model)
     except ValueError as e:
         raise WeightsError(f"init.checkpoint {path}: {e}") from e

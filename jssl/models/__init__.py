@@ -3,7 +3,11 @@
 The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
 (``vissl/config/defaults.yaml``) flattened into one ``ml_collections.ConfigDict``:
 
-  trunk               "resnet{18,34,50,101,152}"
+  trunk               "resnet{18,34,50,101,152}" or "vit_{tiny,small,base}"
+  patch_size          ViT patch size (16 or 8 for the published models)
+  image_size          ViT: the resolution its position embeddings are laid out for (224);
+                      other input sizes resample them
+  drop_path_rate      ViT stochastic depth of the last block (linear from 0 over the blocks)
   width_multiplier    scales every channel width (SimCLR's wide ResNets)
   cifar_stem          3x3 stride-1 stem without max-pool, for 32px images
   zero_init_residual  zero gamma on each block's last BN (Goyal et al. 2017)
@@ -26,11 +30,14 @@ import ml_collections
 from jssl.models.heads import MLPHead
 from jssl.models.model import TrunkAndHead
 from jssl.models.resnet import ResNet, feature_dim, supported_depths
+from jssl.models.vit import SIZES as VIT_SIZES
+from jssl.models.vit import VisionTransformer
 
 __all__ = [
     "MLPHead",
     "ResNet",
     "TrunkAndHead",
+    "VisionTransformer",
     "build_model",
     "build_trunk",
     "default_config",
@@ -53,12 +60,23 @@ def default_config() -> ml_collections.ConfigDict:
             "head_last_bn": False,
             "dtype": "float32",
             "sync_bn": True,
+            "patch_size": 16,
+            "image_size": 224,
+            "drop_path_rate": 0.0,
         }
     )
 
 
+def valid_trunks() -> list[str]:
+    return [f"resnet{d}" for d in supported_depths()] + list(VIT_SIZES)
+
+
+def is_vit(model_config: ml_collections.ConfigDict) -> bool:
+    return str(model_config.trunk) in VIT_SIZES
+
+
 def _depth(trunk: str) -> int:
-    valid = [f"resnet{d}" for d in supported_depths()]
+    valid = valid_trunks()
     match = re.fullmatch(r"resnet(\d+)", trunk)
     if match is None or int(match.group(1)) not in supported_depths():
         raise ValueError(f"Unknown trunk {trunk!r}; valid trunks: {valid}")
@@ -72,7 +90,10 @@ def _dtype(name: str) -> jnp.dtype:
 
 
 def trunk_feature_dim(model_config: ml_collections.ConfigDict) -> int:
-    """Width of the trunk's ``avgpool`` features, e.g. 2048 for resnet50, 512 for resnet18."""
+    """Width of the trunk's ``avgpool`` features, e.g. 2048 for resnet50, 512 for resnet18,
+    384 for vit_small."""
+    if is_vit(model_config):
+        return VIT_SIZES[model_config.trunk][0]
     return feature_dim(_depth(model_config.trunk), model_config.width_multiplier)
 
 
@@ -81,8 +102,13 @@ def build_trunk(
     *,
     bn_axis_name: str | None = None,
     num_classes: int | None = None,
-) -> ResNet:
-    """The ResNet trunk described by ``model_config`` (with an ``fc`` if ``num_classes``)."""
+) -> ResNet | VisionTransformer:
+    """The trunk described by ``model_config``: a ResNet (with an ``fc`` if ``num_classes``)
+    or a ViT (``num_classes`` is not supported: heads are separate modules)."""
+    if is_vit(model_config):
+        if num_classes is not None:
+            raise ValueError("A ViT trunk has no built-in classifier; use a separate head.")
+        return build_vit(model_config)
     return ResNet(
         depth=_depth(model_config.trunk),
         width_multiplier=model_config.width_multiplier,
@@ -91,6 +117,31 @@ def build_trunk(
         num_classes=num_classes,
         dtype=_dtype(model_config.dtype),
         bn_axis_name=bn_axis_name,
+    )
+
+
+def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
+    """The ViT of ``model_config.trunk`` with its patch size, image size and drop path."""
+    embed_dim, depth, heads = VIT_SIZES[model_config.trunk]
+    patch = int(model_config.get("patch_size", 16))
+    image_size = int(model_config.get("image_size", 224))
+    if patch <= 0 or image_size % patch:
+        raise ValueError(
+            f"model.image_size={image_size} must be a positive multiple of model.patch_size="
+            f"{patch} (the position embeddings cover a grid of whole patches); e.g. "
+            "--config.model.image_size=224 --config.model.patch_size=16."
+        )
+    rate = float(model_config.get("drop_path_rate", 0.0))
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"model.drop_path_rate={rate} must be in [0, 1) (DINO ViT-S: 0.1).")
+    return VisionTransformer(
+        embed_dim=embed_dim,
+        depth=depth,
+        num_heads=heads,
+        patch_size=patch,
+        image_size=image_size,
+        drop_path_rate=rate,
+        dtype=_dtype(model_config.dtype),
     )
 
 

@@ -90,32 +90,45 @@ def _is_tensor_dict(obj: Any, torch: Any) -> bool:
     return isinstance(obj, Mapping) and any(isinstance(v, torch.Tensor) for v in obj.values())
 
 
-def _unwrap(obj: Any, torch: Any) -> Mapping[str, Any]:
-    """Descend through known wrapper keys until a dict holding a ResNet's tensors."""
-    while isinstance(obj, Mapping) and not any(str(k).endswith(_ANCHOR) for k in obj):
+def _unwrap(obj: Any, torch: Any, anchor: str = _ANCHOR) -> Mapping[str, Any]:
+    """Descend through known wrapper keys until a dict holding the network's tensors (a key
+    ending in ``anchor``)."""
+    while isinstance(obj, Mapping) and not any(str(k).endswith(anchor) for k in obj):
         inner = next((obj[k] for k in _WRAPPER_KEYS if isinstance(obj.get(k), Mapping)), None)
         if inner is None:
             break
         obj = inner
-    if not _is_tensor_dict(obj, torch) or not any(str(k).endswith(_ANCHOR) for k in obj):
+    if not _is_tensor_dict(obj, torch) or not any(str(k).endswith(anchor) for k in obj):
         found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
+        if anchor == _ANCHOR:
+            expected = (
+                "a torchvision state dict (conv1.weight, layer1.0.conv1.weight, ...), a VISSL "
+                "checkpoint (classy_state_dict -> base_model -> model -> trunk with "
+                "_feature_blocks.* keys)"
+            )
+            network = "ResNet"
+        else:
+            expected = (
+                "a timm / DINO / MoCo v3 ViT state dict (cls_token, pos_embed, "
+                "patch_embed.proj.weight, blocks.0.attn.qkv.weight, ...)"
+            )
+            network = "ViT"
         raise ValueError(
-            f"No ResNet weights found (no key ending in {_ANCHOR!r}); innermost keys found: "
-            f"{found}. Expected a torchvision state dict (conv1.weight, layer1.0.conv1.weight, "
-            "...), a VISSL checkpoint (classy_state_dict -> base_model -> model -> trunk with "
-            "_feature_blocks.* keys), or a dict under one of "
-            f"{list(_WRAPPER_KEYS)} holding such keys."
+            f"No {network} weights found (no key ending in {anchor!r}); innermost keys found: "
+            f"{_summarise(found, 12)}. Expected {expected}, or a dict under one of "
+            f"{list(_WRAPPER_KEYS)} holding such keys; model.trunk must name the network "
+            "the file holds."
         )
     return obj
 
 
-def _strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
-    prefixes = sorted({k[: -len(_ANCHOR)] for k in state if k.endswith(_ANCHOR)})
+def _strip_prefix(state: Mapping[str, Any], anchor: str = _ANCHOR) -> dict[str, Any]:
+    prefixes = sorted({k[: -len(anchor)] for k in state if k.endswith(anchor)})
     prefix = next((p for p in _PREFERRED_PREFIXES if p in prefixes), None)
     if prefix is None:
         if len(prefixes) > 1:
             raise ValueError(
-                f"Several ResNets in one state dict, under prefixes {prefixes}; extract the one "
+                f"Several networks in one state dict, under prefixes {prefixes}; extract the one "
                 "you want and save it alone (torch.save({k[len(prefix):]: v ...}))."
             )
         prefix = prefixes[0]
@@ -127,8 +140,9 @@ def _strip_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def load_torch_state_dict(path: str) -> dict[str, np.ndarray]:
-    """Reads a PyTorch ResNet checkpoint as numpy arrays under torchvision names.
+def load_torch_state_dict(path: str, anchor: str = _ANCHOR) -> dict[str, np.ndarray]:
+    """Reads a PyTorch ResNet checkpoint as numpy arrays under torchvision names (a ViT's
+    under timm's names with ``anchor="blocks.0.attn.qkv.weight"``).
 
     Accepts the layouts listed in the module docstring; wrapper dicts and prefixes
     (``_feature_blocks.``, ``module.encoder_q.`` ...) are removed, non-tensor entries
@@ -161,7 +175,7 @@ def load_torch_state_dict(path: str) -> dict[str, np.ndarray]:
         ) from err
     except Exception as err:  # damaged bytes fail anywhere in the unpickler or zip reader
         raise ValueError(_unreadable(path, err)) from err
-    state = _strip_prefix(_unwrap(checkpoint, torch))
+    state = _strip_prefix(_unwrap(checkpoint, torch, anchor), anchor)
     # bfloat16 tensors have no numpy equivalent: widen to float32 before converting.
     return {
         k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()

@@ -1,0 +1,217 @@
+"""Vision Transformer trunks (Dosovitskiy et al. 2021; the DeiT / DINO sizes, Touvron et al.
+2021, Caron et al. 2021).
+
+The block layout is timm's ``VisionTransformer`` (``timm/models/vision_transformer.py``), which
+DINO's ``vision_transformer.py`` and MoCo v3's ``vits.py`` also follow: a strided-conv patch
+projection, a class token, learned absolute position embeddings, pre-norm blocks (LayerNorm eps
+1e-6, multi-head self-attention with a biased qkv projection, exact-erf GELU MLP of ratio 4,
+stochastic depth on both residual branches), and a final LayerNorm. Submodule and parameter
+names mirror timm's state-dict keys (``patch_embed``, ``cls_token``, ``pos_embed``,
+``blocks_3/attn/qkv``, ``norm``) so published PyTorch weights map by name
+(``jssl.models.torch_import``).
+
+Other input sizes (multi-crop's 96 px crops through a 224 px model) resample the position
+embeddings of the patch grid bicubically with antialiasing, as timm's
+``resample_abs_pos_embed`` does (DINO's ``interpolate_pos_encoding`` resizes by a scale factor
+without antialiasing: for downsizing the two differ slightly; jssl follows timm so that imported
+weights give timm's features).
+
+The trunk returns named taps (N, D) for feature extraction, linear probes and heads:
+
+  ``block1`` ... ``block{depth}``  the class token after each block, through the final norm
+                                   (DINO ``get_intermediate_layers``)
+  ``concat_cls4``                  the last 4 of those concatenated (DINO's ViT-S linear eval)
+  ``patch_avg``                    the mean of the last block's normed patch tokens
+  ``cls_patch_avg``                last class token and ``patch_avg`` concatenated (DINO's
+                                   ViT-B linear eval: ``--n_last_blocks 1 --avgpool_patchtokens``)
+  ``avgpool``                      the trunk's pooled output: the normed last class token, what
+                                   heads, kNN and the online probe read (the name is shared with
+                                   the ResNet trunks' pooled output so every method and
+                                   evaluator works on either trunk)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# name -> (embed dim, depth, heads): DeiT's tiny / small / base, the sizes DINO and MoCo v3 use.
+SIZES: dict[str, tuple[int, int, int]] = {
+    "vit_tiny": (192, 12, 3),
+    "vit_small": (384, 12, 6),
+    "vit_base": (768, 12, 12),
+}
+PATCH_SIZES = (8, 14, 16, 32)
+
+# timm / DINO initialise Linear weights, the class token and the position embeddings with a
+# normal of std 0.02 truncated at +-2 (absolute: 100 std), biases with zeros.
+_trunc_normal = nn.initializers.truncated_normal(stddev=0.02, lower=-100.0, upper=100.0)
+
+
+def _torch_conv_init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32):
+    """PyTorch Conv2d's default weight init (timm leaves the patch projection at it):
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = kh * kw * in_channels."""
+    bound = 1.0 / jnp.sqrt(shape[0] * shape[1] * shape[2])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def _torch_conv_bias_init(fan_in: int):
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32):
+        bound = 1.0 / jnp.sqrt(fan_in)
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def resample_pos_embed(pos: jax.Array, grid: tuple[int, int]) -> jax.Array:
+    """(1, h0 * w0, D) patch position embeddings on a square grid -> (1, h * w, D) for ``grid``
+    = (h, w): bicubic (Keys, a = -0.5) with antialiasing when shrinking, which is
+    ``torch.nn.functional.interpolate(mode="bicubic", antialias=True)`` as timm calls it."""
+    n, dim = pos.shape[1], pos.shape[2]
+    side = int(round(n**0.5))
+    if side * side != n:
+        raise ValueError(f"{n} position embeddings do not form a square grid")
+    if (side, side) == tuple(grid):
+        return pos
+    image = pos.reshape(side, side, dim).astype(jnp.float32)
+    resized = jax.image.resize(image, (*grid, dim), method="cubic", antialias=True)
+    return resized.reshape(1, grid[0] * grid[1], dim).astype(pos.dtype)
+
+
+class DropPath(nn.Module):
+    """Stochastic depth (Huang et al. 2016): drops the residual branch of whole examples with
+    probability ``rate`` and scales the kept ones by 1 / (1 - rate); identity when not
+    training. Draws from the ``dropout`` rng stream."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        if not train or self.rate == 0.0:
+            return x
+        keep = 1.0 - self.rate
+        mask = jax.random.bernoulli(
+            self.make_rng("dropout"), keep, (x.shape[0],) + (1,) * (x.ndim - 1)
+        )
+        return jnp.where(mask, x / keep, 0.0).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with timm's parameter layout: ``qkv`` (D -> 3D, ordered
+    [q | k | v] x heads x head_dim) and ``proj``."""
+
+    num_heads: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        dense = lambda n, name: nn.Dense(  # noqa: E731
+            n, kernel_init=_trunc_normal, dtype=self.dtype, param_dtype=jnp.float32, name=name
+        )
+        qkv = dense(3 * d, "qkv")(x).reshape(b, t, 3, self.num_heads, d // self.num_heads)
+        # (B, T, heads, head_dim) each; scale 1 / sqrt(head_dim), softmax in float32.
+        out = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        return dense(d, "proj")(out.reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + drop(attn(norm1(x)))``, ``x + drop(mlp(norm2(x)))``."""
+
+    num_heads: int
+    mlp_ratio: float = 4.0
+    drop_path: float = 0.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        d = x.shape[-1]
+        norm = lambda name: nn.LayerNorm(  # noqa: E731
+            epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name=name
+        )
+        drop = DropPath(self.drop_path)
+        x = x + drop(Attention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x)), train)
+        h = norm("norm2")(x)
+        h = nn.Dense(
+            int(d * self.mlp_ratio),
+            kernel_init=_trunc_normal,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            name="fc1",
+        )(h)
+        h = nn.gelu(h, approximate=False)  # torch.nn.GELU(): the exact erf form
+        h = nn.Dense(
+            d, kernel_init=_trunc_normal, dtype=self.dtype, param_dtype=jnp.float32, name="fc2"
+        )(h)
+        return x + drop(h, train)
+
+
+class VisionTransformer(nn.Module):
+    """ViT trunk returning the taps listed in the module docstring.
+
+    ``image_size`` is the resolution the position embeddings are laid out for (224 for the
+    published models); any other input size that the patch size divides is served by
+    resampling them (``resample_pos_embed``).
+    """
+
+    embed_dim: int = 384
+    depth: int = 12
+    num_heads: int = 6
+    patch_size: int = 16
+    image_size: int = 224
+    mlp_ratio: float = 4.0
+    drop_path_rate: float = 0.0  # the last block's; block i's is rate * i / (depth - 1)
+    dtype: Any = jnp.float32  # computation dtype; parameters stay float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> dict[str, jax.Array]:
+        p = self.patch_size
+        if self.image_size % p:
+            raise ValueError(f"ViT image_size {self.image_size} is not a multiple of patch {p}")
+        if x.shape[1] % p or x.shape[2] % p:
+            raise ValueError(
+                f"ViT input of {x.shape[1]}x{x.shape[2]} px is not a multiple of the patch size "
+                f"{p}: crop sizes for model.patch_size={p} must be multiples of {p}."
+            )
+        x = jnp.asarray(x, self.dtype)
+        x = nn.Conv(
+            self.embed_dim,
+            (p, p),
+            strides=(p, p),
+            padding="VALID",
+            kernel_init=_torch_conv_init,
+            bias_init=_torch_conv_bias_init(p * p * x.shape[-1]),
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            name="patch_embed",
+        )(x)
+        b, h, w, d = x.shape
+        x = x.reshape(b, h * w, d)
+        grid = self.image_size // p
+        cls = self.param("cls_token", _trunc_normal, (1, 1, d), jnp.float32)
+        pos = self.param("pos_embed", _trunc_normal, (1, 1 + grid * grid, d), jnp.float32)
+        patch_pos = resample_pos_embed(pos[:, 1:], (h, w))
+        x = jnp.concatenate(
+            [jnp.broadcast_to(cls + pos[:, :1], (b, 1, d)), x + patch_pos], axis=1
+        ).astype(self.dtype)
+
+        norm = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name="norm")
+        taps: dict[str, jax.Array] = {}
+        for i in range(self.depth):
+            rate = self.drop_path_rate * i / max(self.depth - 1, 1)
+            x = Block(self.num_heads, self.mlp_ratio, rate, self.dtype, name=f"blocks_{i}")(
+                x, train
+            )
+            if i < self.depth - 1:
+                taps[f"block{i + 1}"] = norm(x[:, 0])
+        x = norm(x)
+        taps[f"block{self.depth}"] = x[:, 0]
+        taps["patch_avg"] = jnp.mean(x[:, 1:], axis=1)
+        last4 = [taps[f"block{i}"] for i in range(max(self.depth - 3, 1), self.depth + 1)]
+        taps["concat_cls4"] = jnp.concatenate(last4, axis=-1)
+        taps["cls_patch_avg"] = jnp.concatenate([x[:, 0], taps["patch_avg"]], axis=-1)
+        taps["avgpool"] = x[:, 0]
+        return taps

@@ -1,0 +1,116 @@
+"""Import PyTorch ViT weights (timm, DINO, MoCo v3) into jssl's ``VisionTransformer``.
+
+The three publish the same state-dict layout (timm's ``VisionTransformer``, which DINO's
+``vision_transformer.py`` and MoCo v3's ``vits.py`` reuse): ``cls_token``, ``pos_embed``,
+``patch_embed.proj.{weight,bias}``, ``blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.*``
+and ``norm.*``; a classifier or projection ``head.*`` is not part of the trunk and is dropped.
+Wrappers and prefixes are removed as for ResNets (``jssl.models.torch_import``): DINO's
+``teacher`` with ``backbone.``, MoCo v3's ``state_dict`` with ``module.base_encoder.``.
+
+Position embeddings laid out for another resolution than ``model.image_size`` (e.g. 224 px
+weights evaluated at 32 px) are resampled on import as timm does when it loads them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import traverse_util
+
+from jssl.models import build_vit
+from jssl.models.torch_import import _summarise, load_torch_state_dict
+from jssl.models.vit import resample_pos_embed
+
+ANCHOR = "blocks.0.attn.qkv.weight"
+_TRUNK_KEY = re.compile(r"(cls_token|pos_embed|patch_embed\.|blocks\.|norm\.|norm_pre\.|reg_token)")
+_LEAVES = {"kernel": "weight", "scale": "weight", "bias": "bias"}
+
+
+def torch_name(path: tuple[str, ...]) -> str:
+    """Flax parameter path -> timm key: ``blocks_3/fc1/kernel`` -> ``blocks.3.mlp.fc1.weight``,
+    ``patch_embed/kernel`` -> ``patch_embed.proj.weight``, ``pos_embed`` -> ``pos_embed``."""
+    if len(path) == 1:
+        return path[0]
+    parts = []
+    for name in path[:-1]:
+        name = re.sub(r"^blocks_(\d+)$", r"blocks.\1", name)
+        name = {"patch_embed": "patch_embed.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}.get(
+            name, name
+        )
+        parts.append(name)
+    return ".".join([*parts, _LEAVES[path[-1]]])
+
+
+def _to_flax(name: str, value: np.ndarray) -> np.ndarray:
+    if value.ndim == 4:
+        return value.transpose(2, 3, 1, 0)  # conv OIHW -> HWIO
+    if value.ndim == 2:
+        return value.T  # Linear (out, in) -> Dense (in, out)
+    return value
+
+
+def torch_vit_to_flax(
+    state_dict: dict[str, np.ndarray], model_config: ml_collections.ConfigDict
+) -> dict[str, Any]:
+    """timm-named ViT weights -> ``{"params": ...}`` of ``build_vit(model_config)``.
+
+    A missing or extra trunk key or a shape mismatch is a ValueError naming the keys and the
+    architecture the file looks like.
+    """
+    model = build_vit(model_config)
+    size = model.image_size
+    shapes = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)
+    )["params"]
+    expected = traverse_util.flatten_dict(shapes)
+    by_name = {torch_name(path): path for path in expected}
+    trunk_keys = [k for k in state_dict if _TRUNK_KEY.match(k)]
+    missing = [k for k in by_name if k not in state_dict]
+    unexpected = [k for k in trunk_keys if k not in by_name]
+    depth = len({k.split(".")[1] for k in state_dict if k.startswith("blocks.")})
+    width = np.shape(state_dict["cls_token"])[-1] if "cls_token" in state_dict else "?"
+    patch = np.shape(state_dict.get("patch_embed.proj.weight", np.zeros((0, 0, 0))))[-1]
+    hint = (
+        f"The checkpoint looks like a ViT of width {width}, depth {depth}, patch {patch}; it was "
+        f"read as {model_config.trunk} (width {model.embed_dim}, depth {model.depth}), patch "
+        f"{model.patch_size}: set model.trunk and model.patch_size to match."
+    )
+    if missing or unexpected:
+        raise ValueError(
+            "PyTorch state dict does not match jssl's ViT.\n"
+            f"Missing keys: {_summarise(missing) or 'none'}\n"
+            f"Unexpected keys: {_summarise(unexpected) or 'none'}\n{hint}"
+        )
+    flat, mismatched = {}, []
+    for name, path in by_name.items():
+        value = _to_flax(name, np.asarray(state_dict[name], np.float32))
+        want = expected[path].shape
+        if name == "pos_embed" and value.shape[-1] == want[-1] and value.shape != want:
+            grid = int(round((want[1] - 1) ** 0.5))
+            logging.info(
+                "Resampling pos_embed %s to %s (a %dx%d grid)", value.shape, want, grid, grid
+            )
+            patches = resample_pos_embed(jnp.asarray(value[:, 1:]), (grid, grid))
+            value = np.concatenate([value[:, :1], np.asarray(patches)], axis=1)
+        if value.shape != want:
+            mismatched.append(f"{name}: {np.shape(state_dict[name])}, expected {want}")
+        flat[path] = value
+    if mismatched:
+        raise ValueError(f"Shape mismatches: {_summarise(mismatched, 4)}\n{hint}")
+    ignored = [k for k in state_dict if k not in by_name]
+    if ignored:
+        logging.info("Ignoring %d non-trunk keys, e.g. %s", len(ignored), ignored[:3])
+    return {"params": traverse_util.unflatten_dict(flat)}
+
+
+def import_torch_vit(path: str, model_config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Load + convert a ViT checkpoint as ``{"params": {"trunk": ...}}`` (no batch_stats: a
+    ViT has none), to replace the trunk of a ``TrunkAndHead``'s variables."""
+    variables = torch_vit_to_flax(load_torch_state_dict(path, ANCHOR), model_config)
+    return {"params": {"trunk": variables["params"]}}
