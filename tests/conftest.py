@@ -5,6 +5,14 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# LLVM at -O0 for the tests' tiny models: XLA compiles about 30% faster (measured: one Barlow
+# Twins end-to-end test, 42.5 s -> 29.9 s of CPU) and their steps take milliseconds either
+# way. Subprocesses inherit it (their launchers append to XLA_FLAGS, never replace it).
+# Compilation dominates the suite's time; JSSL_TEST_XLA_OPT=1 keeps XLA's default level.
+if os.environ.get("JSSL_TEST_XLA_OPT") != "1":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 import pytest  # noqa: E402
 

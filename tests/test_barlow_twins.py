@@ -81,7 +81,7 @@ def test_config_weights_give_vissls_loss():
 def parity(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity") / "r.npz"
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     script = os.path.join(ROOT, "tests", "decorrelation_parity.py")
     subprocess.run(
         [sys.executable, script, "barlow_twins", str(out)], env=env, check=True, cwd=ROOT

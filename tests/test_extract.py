@@ -183,7 +183,9 @@ def _free_port() -> int:
 
 def _launch(workdir, shared_dirs, trained, devices, *extra):
     env = launch_env(shared_dirs[1])
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    )
     args = [
         sys.executable,
         "launch.py",

@@ -99,7 +99,8 @@ def test_repeated_index_is_an_error():
 
 def test_four_devices_match_one(tmp_path):
     out = tmp_path / "four.npz"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     env["JAX_PLATFORMS"] = "cpu"
     # jssl is imported from the checkout, which the script's own directory (tests/) is not.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -186,7 +186,8 @@ def test_sharded_bank_matches_host_knn_on_one_device():
 
 def test_sharded_bank_matches_host_knn_on_four_devices(tmp_path):
     out = tmp_path / "four.npz"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))

@@ -19,7 +19,7 @@ OUTPUTS = ("loss", "grad_w", "grad_prototypes", "per_example", "codes")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("losses") / "r.npz"
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     subprocess.run([sys.executable, SCRIPT, str(out)], env=env, check=True, cwd=ROOT, timeout=300)
     return dict(np.load(out))
 

@@ -47,7 +47,9 @@ def _free_port() -> int:
 
 def _env(cache_dir: str, devices: int) -> dict:
     env = launch_env(cache_dir)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    )
     return env
 
 
