@@ -103,6 +103,26 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         pass
     elif preset == "vissl":
         _vissl_resnet(c)
+    elif preset == "vit_small":
+        _vit_small(c)
+    elif preset == "test_vit":
+        _demo(c)
+        base.tiny(c)
+        _vit_small(c)
+        c.data.batch_size = 16
+        c.data.augment.num_crops = (1, 1, 2)
+        c.data.augment.crop_sizes = (16, 16, 8)
+        c.model.trunk = "vit_tiny"
+        c.model.vit_depth = 2  # seconds to compile; the published ViTs have 12 blocks
+        c.model.patch_size = 4
+        c.model.image_size = 16
+        c.model.dtype = "float32"
+        m = c.method
+        m.out_dim, m.hidden_dim, m.bottleneck_dim = 32, 32, 16
+        m.freeze_last_layer_epochs = 0.5
+        m.warmup_teacher_temp_epochs = 1.0
+        c.num_epochs = 2
+        c.optim.warmup_epochs = 0
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
@@ -122,10 +142,55 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             m.warmup_teacher_temp_epochs = 1.0  # rises over the first 4 steps
     else:
         raise ValueError(
-            f"Unknown preset {preset!r} of configs/dino.py: use '', 'imagenet', 'vissl', 'demo' "
-            "or 'test'."
+            f"Unknown preset {preset!r} of configs/dino.py: use '', 'imagenet', 'vissl', "
+            "'vit_small', 'demo', 'test' or 'test_vit'."
         )
     return c
+
+
+def _vit_small(c: ml_collections.ConfigDict) -> None:
+    """DINO's ViT-S/16 recipe (main_dino.py defaults with ``--arch vit_small``; the paper's
+    Sec. 3 / App. and README): drop path 0.1 on the student only, no BN anywhere (the head's
+    use_bn_in_head False), AdamW at 5e-4 x batch / 256 (batch 1024 = 64 x 16 GPUs) with a
+    10-epoch linear warmup then cosine to 1e-6, weight decay cosine 0.04 -> 0.4 on weights
+    only (not biases or norms), per-parameter gradient clipping 3.0, teacher momentum 0.996
+    -> 1, teacher temperature 0.04 -> 0.07 over 30 epochs (the README's best ViT-S run),
+    2 x 224 px global crops at scale (0.4, 1) and 10 x 96 px local crops at (0.05, 0.4), 100
+    epochs, mixed precision (bf16 here)."""
+    c.model.trunk = "vit_small"
+    c.model.patch_size = 16
+    c.model.image_size = 224
+    c.model.drop_path_rate = 0.1
+    c.model.head_dims = ()
+    c.model.sync_bn = True  # no BN in this network; kept for any the user adds
+    m = c.method
+    m.use_bn_in_head = False
+    m.norm_last_layer = True
+    m.warmup_teacher_temp = 0.04
+    m.teacher_temp = 0.07
+    m.warmup_teacher_temp_epochs = 30.0
+    m.teacher_momentum = 0.996
+    c.data.batch_size = 1024
+    a = c.data.augment
+    a.num_crops = (1, 1, 10)
+    a.crop_sizes = (224, 224, 96)
+    a.crop_scale = ((0.4, 1.0), (0.4, 1.0), (0.05, 0.4))
+    c.num_epochs = 100
+    o = c.optim
+    o.name = "adamw"
+    o.betas = (0.9, 0.999)  # torch.optim.AdamW defaults
+    o.base_lr = 5e-4
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.warmup_epochs = 10
+    o.final_lr_fraction = 1e-6 / (5e-4 * 1024 / 256)  # min_lr over the peak at batch 1024
+    o.weight_decay = 0.04
+    o.weight_decay_schedule = "cosine"
+    o.weight_decay_end = 0.4
+    o.regularize_bn = False
+    o.regularize_bias = False
+    o.grad_clip_per_parameter = 3.0
+    c.checkpoint.every_steps = 1251  # every epoch at batch 1024
 
 
 def _vissl_resnet(c: ml_collections.ConfigDict) -> None:

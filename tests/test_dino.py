@@ -303,3 +303,62 @@ def test_trains_end_to_end(tmp_path, shared_dirs):
     assert losses_.shape == (40,) and np.all(np.isfinite(losses_)) and losses_.mean() > 0
     np.testing.assert_allclose(np.load(outputs / "term_cross_entropy.npy"), losses_, rtol=1e-6)
     assert np.load(outputs / "features.npy").shape[0] == 40
+
+
+def test_vit_trains_with_the_students_drop_path(tmp_path, shared_dirs):
+    """DINO on a ViT (the "test_vit" preset: ViT-Tiny/4, drop path 0.1): a run trains end to
+    end with no batch norm anywhere, and the step's key drives the student's stochastic depth
+    (the same key gives the same loss, another key another)."""
+    config = dino.get_config("test_vit")
+    methods.check_config(config)
+    assert config.model.drop_path_rate == 0.1
+    method = methods.get(config, steps_per_epoch=4)
+    images = jnp.asarray(np.random.default_rng(0).normal(size=(4, 16, 16, 3)), jnp.float32)
+    variables = method.model.init(jax.random.key(0), images, train=False)
+    assert "batch_stats" not in variables
+    apply = lambda key: method.model.apply(  # noqa: E731
+        variables, images, train=True, rngs={"dropout": jax.random.key(key)}
+    )["avgpool"]
+    assert not np.allclose(apply(1), apply(2))
+
+    mesh = parallel.make_mesh()
+    tx, schedule = train.make_optimizer(config, method, 4)
+    state = train.init_state(config, method, tx, mesh)
+    batch = data.synthetic_batch(config.data, 16, seed=0)
+    batch = parallel.host_batch_to_global(batch, mesh)
+
+    def per_replica(state, batch, rng):
+        out = method.loss(state.params, state, batch, rng, train=True)[1]
+        return jax.lax.pmean(out.metrics["loss/cross_entropy"], DATA_AXIS)
+
+    losses_of = jax.jit(
+        jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P(DATA_AXIS), P()), out_specs=P())
+    )
+    first, again, other = (losses_of(state, batch, jax.random.key(k)) for k in (0, 0, 1))
+    assert float(first) == float(again) and float(first) != float(other)
+
+    config.data.data_dir = shared_dirs[0]
+    config.checkpoint.async_save = False
+    summary = train.run(config, str(tmp_path))
+    assert summary["step"] == 8  # a non-finite loss would have stopped the run
+
+
+def test_vit_small_preset_is_the_papers_recipe():
+    config = dino.get_config("vit_small")
+    methods.check_config(config)
+    assert (config.model.trunk, config.model.patch_size, config.model.drop_path_rate) == (
+        "vit_small",
+        16,
+        0.1,
+    )
+    o = config.optim
+    assert (o.name, o.base_lr, o.weight_decay, o.weight_decay_end) == ("adamw", 5e-4, 0.04, 0.4)
+    assert o.grad_clip_per_parameter == 3.0 and config.data.batch_size == 1024
+    m = config.method
+    assert (m.warmup_teacher_temp, m.teacher_temp, m.warmup_teacher_temp_epochs) == (
+        0.04,
+        0.07,
+        30.0,
+    )
+    assert tuple(config.data.augment.num_crops) == (1, 1, 10)
+    assert tuple(config.data.augment.crop_sizes) == (224, 224, 96)

@@ -287,3 +287,15 @@ def test_knn_and_linear_eval_on_an_imported_vit(imported_file, tmp_path_factory,
     expected = weights.read_torch(imported_file, config)["params"]["trunk"]
     trunk = jax.device_get(summary["trunk_variables"])["params"]["trunk"]
     jax.tree.map(np.testing.assert_array_equal, trunk, expected)
+
+
+def test_drop_path_in_training_is_refused_until_wired():
+    from configs import mocov3
+    from jssl import methods
+
+    config = mocov3.get_config("")
+    config.model.drop_path_rate = 0.1
+    with pytest.raises(
+        ValueError, match=r"drop_path_rate=0.1: stochastic depth is wired into DINO.*'mocov3'"
+    ):
+        methods.check_config(config)

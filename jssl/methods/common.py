@@ -26,15 +26,29 @@ from jssl.parallel import DATA_AXIS
 
 
 def apply_model(
-    model: Any, params: Any, batch_stats: Any, images: jax.Array, train: bool
+    model: Any,
+    params: Any,
+    batch_stats: Any,
+    images: jax.Array,
+    train: bool,
+    rng: jax.Array | None = None,
 ) -> tuple[dict[str, jax.Array], Any]:
     """``(taps, new batch_stats)``: train mode normalises with batch statistics and returns
-    the updated running ones; eval mode uses the running ones and returns them unchanged."""
+    the updated running ones; eval mode uses the running ones and returns them unchanged.
+    ``rng`` feeds the ``dropout`` stream (a ViT's stochastic depth) in train mode; use
+    :func:`replica_rng` inside the step so each device draws its own masks."""
     variables = {"params": params, "batch_stats": batch_stats}
     if not train:
         return model.apply(variables, images, train=False), batch_stats
-    out, mutated = model.apply(variables, images, train=True, mutable=["batch_stats"])
-    return out, mutated["batch_stats"]
+    rngs = {"dropout": rng} if rng is not None else None
+    out, mutated = model.apply(variables, images, train=True, mutable=["batch_stats"], rngs=rngs)
+    return out, mutated.get("batch_stats", {})
+
+
+def replica_rng(rng: jax.Array, salt: int) -> jax.Array:
+    """The step's key (the same on every replica) made this replica's own, for per-example
+    randomness such as drop-path masks; ``salt`` separates the uses within one step."""
+    return jax.random.fold_in(jax.random.fold_in(rng, salt), jax.lax.axis_index(DATA_AXIS))
 
 
 def mean_over_devices(tree: Any) -> Any:
@@ -67,7 +81,7 @@ def num_crops(batch: dict) -> int:
 
 
 def forward_crops(
-    model: Any, params: Any, batch_stats: Any, crops: Any, train: bool
+    model: Any, params: Any, batch_stats: Any, crops: Any, train: bool, rng: jax.Array | None = None
 ) -> tuple[dict[str, jax.Array], Any]:
     """The model on every crop: ``(taps, new batch_stats)``, taps crop-major (row c * n + i).
 
@@ -83,7 +97,8 @@ def forward_crops(
         else:
             by_size.append([flat])
     inputs = [jnp.concatenate(same) if len(same) > 1 else same[0] for same in by_size]
-    return apply_model(model, params, batch_stats, inputs[0] if len(inputs) == 1 else inputs, train)
+    x = inputs[0] if len(inputs) == 1 else inputs
+    return apply_model(model, params, batch_stats, x, train, rng)
 
 
 def split_crops(x: jax.Array, count: int) -> jax.Array:

@@ -85,6 +85,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     )
     # The trunk (and its taps) of models.build_model, DINO's head in place of the MLP head.
     model = models.build_model(config.model, bn_axis_name=bn_axis).clone(head=head)
+    # DINO builds its teacher without stochastic depth (main_dino.py: only the student gets
+    # drop_path_rate), so the teacher's forward is the same network with none.
+    teacher_model = model
+    if models.is_vit(config.model):
+        teacher_model = model.clone(trunk=model.trunk.clone(drop_path_rate=0.0))
     teacher_crops = int(mcfg.teacher_crops)
     # Without the epoch length (evaluation engines) the schedules read as finished.
     spe = steps_per_epoch or 0
@@ -101,12 +106,13 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         variables = model.init(rng, images, train=False)
+        batch_stats = variables.get("batch_stats", {})  # none in a ViT with a BN-free head
         return dict(
             params=variables["params"],
-            batch_stats=variables["batch_stats"],
+            batch_stats=batch_stats,
             # The teacher starts as a copy of the student (DINO Alg. 1).
             ema_params=jax.tree.map(jnp.copy, variables["params"]),
-            ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
+            ema_batch_stats=jax.tree.map(jnp.copy, batch_stats),
             method_state={"center": jnp.zeros((int(mcfg.out_dim),), jnp.float32)},
         )
 
@@ -121,15 +127,19 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         return tuple(groups)
 
     def loss(params, state, batch, rng, train: bool = True):
-        del rng
         count = common.num_crops(batch)
+        drop_rng = common.replica_rng(rng, 0) if train else None  # the student's drop path
         out, batch_stats = common.forward_crops(
-            model, params, state.batch_stats, batch["crops"], train
+            model, params, state.batch_stats, batch["crops"], train, drop_rng
         )
         student = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, K)
         n = student.shape[1]
         teacher_out, ema_batch_stats = common.forward_crops(
-            model, state.ema_params, state.ema_batch_stats, teacher_groups(batch["crops"]), train
+            teacher_model,
+            state.ema_params,
+            state.ema_batch_stats,
+            teacher_groups(batch["crops"]),
+            train,
         )
         teacher = jax.lax.stop_gradient(
             common.split_crops(teacher_out["head"].astype(jnp.float32), teacher_crops)

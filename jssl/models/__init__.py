@@ -8,6 +8,7 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
   image_size          ViT: the resolution its position embeddings are laid out for (224);
                       other input sizes resample them
   drop_path_rate      ViT stochastic depth of the last block (linear from 0 over the blocks)
+  vit_depth           ViT blocks; 0 (default) for the size's 12 (fewer for tests and CPU demos)
   width_multiplier    scales every channel width (SimCLR's wide ResNets)
   cifar_stem          3x3 stride-1 stem without max-pool, for 32px images
   zero_init_residual  zero gamma on each block's last BN (Goyal et al. 2017)
@@ -123,6 +124,9 @@ def build_trunk(
 def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
     """The ViT of ``model_config.trunk`` with its patch size, image size and drop path."""
     embed_dim, depth, heads = VIT_SIZES[model_config.trunk]
+    depth = int(model_config.get("vit_depth", 0)) or depth  # 0: the size's 12 blocks
+    if depth < 0:
+        raise ValueError(f"model.vit_depth={depth} must be >= 0 (0: the size's own depth).")
     patch = int(model_config.get("patch_size", 16))
     image_size = int(model_config.get("image_size", 224))
     if patch <= 0 or image_size % patch:
