@@ -36,6 +36,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.patch_size = 16
     c.model.image_size = 224
     c.model.drop_path_rate = 0.0
+    c.model.pos_embed_init = "learned"  # or "sincos": MoCo v3's fixed 2-D sin-cos values
     c.model.vit_depth = 0  # 0: the size's 12 blocks; fewer for tests and CPU demos
 
     c.data = ml_collections.ConfigDict()

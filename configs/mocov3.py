@@ -113,6 +113,7 @@ def _vit(c: ml_collections.ConfigDict, trunk: str) -> None:
     c.model.trunk = trunk
     c.model.patch_size = 16
     c.model.drop_path_rate = 0.0
+    c.model.pos_embed_init = "sincos"  # vits.py build_2d_sincos_position_embedding, fixed
     c.model.zero_init_residual = False
     c.model.head_dims = (width, 4096, 4096, 256)
 

@@ -299,3 +299,31 @@ def test_drop_path_in_training_is_refused_until_wired():
         ValueError, match=r"drop_path_rate=0.1: stochastic depth is wired into DINO.*'mocov3'"
     ):
         methods.check_config(config)
+
+
+def test_sincos_position_embeddings_are_moco_v3s():
+    """vits.py build_2d_sincos_position_embedding: zero for the class token; for the patch at
+    (row i, column j) sin/cos of i * omega_k, then of j * omega_k, omega_k = 10000**(-k/(D/4))."""
+    grid, dim = 3, 8
+    pos = np.asarray(vit.sincos_pos_embed(grid, dim))
+    assert pos.shape == (1, 1 + grid * grid, dim)
+    np.testing.assert_array_equal(pos[0, 0], 0.0)
+    omega = 1.0 / 10000.0 ** (np.arange(2) / 2)
+    for i, j in [(0, 1), (2, 1), (1, 2)]:
+        expected = np.concatenate(
+            [np.sin(i * omega), np.cos(i * omega), np.sin(j * omega), np.cos(j * omega)]
+        )
+        np.testing.assert_allclose(pos[0, 1 + i * grid + j], expected, rtol=1e-6, atol=1e-6)
+
+    from configs import mocov3
+    from jssl import methods
+
+    config = mocov3.get_config("")
+    assert config.model.pos_embed_init == "sincos"
+    method = methods.get(config, steps_per_epoch=10)
+    assert ("trunk/pos_embed", 2**31 - 1) in method.frozen_params
+    model = models.build_trunk(_model_config("vit_tiny", 16, 48))
+    fixed = model.clone(pos_embed_init="sincos").init(
+        jax.random.key(0), jnp.zeros((1, 48, 48, 3)), train=False
+    )
+    np.testing.assert_allclose(fixed["params"]["pos_embed"], vit.sincos_pos_embed(3, 192))

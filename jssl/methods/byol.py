@@ -67,9 +67,39 @@ def init_with_predictor(
     variables = model.init(model_rng, images, train=False)
     dim = predictor.dims[0]
     pred = predictor.init(predictor_rng, jnp.zeros((2, dim), jnp.float32), train=False)
+    model_stats = variables.get("batch_stats", {})
     params = {**variables["params"], PREDICTOR: pred["params"]}
-    batch_stats = {**variables["batch_stats"], PREDICTOR: pred.get("batch_stats", {})}
-    return params, batch_stats, variables
+    batch_stats = {**model_stats, PREDICTOR: pred.get("batch_stats", {})}
+    return params, batch_stats, {"params": variables["params"], "batch_stats": model_stats}
+
+
+def init_online_and_target(model: Any, predictor: Any, rng: jax.Array, images: jax.Array):
+    """A predictor method's initial state: the online network with its predictor, and a
+    target / momentum encoder that starts as a copy of the online trunk and projector (VISSL
+    ``_build_byol_target_network``; MoCo v3 builder.py ``param_m.data.copy_(param_b.data)``);
+    the predictor has no counterpart there."""
+    params, batch_stats, variables = init_with_predictor(model, predictor, rng, images)
+    return dict(
+        params=params,
+        batch_stats=batch_stats,
+        ema_params=jax.tree.map(jnp.copy, variables["params"]),
+        ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
+    )
+
+
+def target_momentum(config: ml_collections.ConfigDict, steps_per_epoch: int | None):
+    """``momentum_at(steps_done)``: cosine from ``method.base_momentum`` to
+    ``method.final_momentum`` over the run (BYOL Sec. 3.2; MoCo v3 ``adjust_moco_momentum``).
+    Evaluation engines pass no epoch length; the momentum is then never used."""
+    mcfg = config.method
+    total_steps = int(config.num_epochs * steps_per_epoch) if steps_per_epoch else 1
+
+    def momentum_at(steps_done: jax.Array) -> jax.Array:
+        return common.cosine_momentum(
+            steps_done, total_steps, mcfg.base_momentum, mcfg.final_momentum
+        )
+
+    return momentum_at
 
 
 def without_predictor(tree: dict) -> dict:
@@ -84,30 +114,15 @@ def apply_predictor(predictor, params, batch_stats, z: jax.Array, train: bool):
 
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
-    mcfg = config.method
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
     predictor = build_predictor(config, model)
-    # Evaluation engines pass no epoch length; the momentum is then never used.
-    total_steps = int(config.num_epochs * steps_per_epoch) if steps_per_epoch else 1
+    momentum_at = target_momentum(config, steps_per_epoch)
     weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
-    def momentum_at(steps_done: jax.Array) -> jax.Array:
-        return common.cosine_momentum(
-            steps_done, total_steps, mcfg.base_momentum, mcfg.final_momentum
-        )
-
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
-        params, batch_stats, variables = init_with_predictor(model, predictor, rng, images)
-        return dict(
-            params=params,
-            batch_stats=batch_stats,
-            # The target starts as a copy of the online trunk and projector (VISSL
-            # _build_byol_target_network); the predictor has no target counterpart.
-            ema_params=jax.tree.map(jnp.copy, variables["params"]),
-            ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
-        )
+        return init_online_and_target(model, predictor, rng, images)
 
     def loss(params, state, batch, rng, train: bool = True):
         out, online_stats = common.forward_crops(

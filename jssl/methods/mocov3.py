@@ -22,6 +22,10 @@ updates the momentum encoder at the start of iteration k, from the base encoder 
 optimizer steps, with ``m(k)``; here ``after_update`` does the same update at the end of the
 step that made those k steps, so the keys of every step come from the same encoder.
 
+ViT position embeddings: the presets set ``model.pos_embed_init="sincos"``, the reference's
+fixed 2-D sin-cos values (vits.py ``build_2d_sincos_position_embedding``), held fixed for the
+whole run by the same freeze as the patch projection.
+
 ViT (``method.freeze_patch_embed``, the reference's ``--stop-grad-conv1``, Sec. 4.2 of the
 paper): the patch projection stays at its random init for the whole run. It is frozen through
 the optimizer (``Method.frozen_params``, ``jssl.optim.freeze_for_steps``), which zeroes its
@@ -34,9 +38,6 @@ Deliberate differences from the reference:
   presets' ``sync_bn=True``).
 - The EMA runs after the optimizer step instead of before the next forward (the same values,
   see above); the checkpoint of step k therefore holds the momentum encoder step k+1 uses.
-- jssl's ViT trunk (``model.trunk="vit_*"``) learns its position embeddings; the reference's
-  ViT uses fixed 2-D sin-cos position embeddings (vits.py
-  ``build_2d_sincos_position_embedding``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from jssl.methods.byol import (
     PREDICTOR,
     apply_predictor,
     check_predictor,
-    init_with_predictor,
+    init_online_and_target,
+    target_momentum,
     without_predictor,
 )
 from jssl.parallel import DATA_AXIS
@@ -62,6 +64,7 @@ TERMS = ("info_nce",)
 # The ViT's patch projection, frozen for the whole run: more steps than any run takes (the
 # optimizer's step counter is int32).
 PATCH_EMBED = "trunk/patch_embed"
+POS_EMBED = "trunk/pos_embed"
 WHOLE_RUN = 2**31 - 1
 
 
@@ -86,25 +89,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
     predictor = build_predictor(config, model)
-    # Evaluation engines pass no epoch length; the momentum is then never used.
-    total_steps = int(config.num_epochs * steps_per_epoch) if steps_per_epoch else 1
+    momentum_at = target_momentum(config, steps_per_epoch)  # 0.99 -> 1, main_moco.py
     weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
-    def momentum_at(steps_done: jax.Array) -> jax.Array:
-        return common.cosine_momentum(
-            steps_done, total_steps, mcfg.base_momentum, mcfg.final_momentum
-        )
-
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
-        params, batch_stats, variables = init_with_predictor(model, predictor, rng, images)
-        return dict(
-            params=params,
-            batch_stats=batch_stats,
-            # The momentum encoder starts as a copy of the trunk and projector (builder.py
-            # ``param_m.data.copy_(param_b.data)``); the predictor has no counterpart.
-            ema_params=jax.tree.map(jnp.copy, variables["params"]),
-            ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
-        )
+        return init_online_and_target(model, predictor, rng, images)
 
     def loss(params, state, batch, rng, train: bool = True):
         views = common.views(batch)
@@ -151,6 +140,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
 
     frozen = ((PATCH_EMBED, WHOLE_RUN),) if mcfg.freeze_patch_embed else ()
+    if models.is_vit(config.model) and config.model.get("pos_embed_init") == "sincos":
+        # The reference's fixed sin-cos position embeddings (vits.py requires_grad=False).
+        frozen += ((POS_EMBED, WHOLE_RUN),)
     return Method(
         init=init, loss=loss, after_update=after_update, model=model, frozen_params=frozen
     )

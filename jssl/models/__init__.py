@@ -8,6 +8,7 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
   image_size          ViT: the resolution its position embeddings are laid out for (224);
                       other input sizes resample them
   drop_path_rate      ViT stochastic depth of the last block (linear from 0 over the blocks)
+  pos_embed_init      ViT position embeddings: "learned" (timm, DINO) or "sincos" (MoCo v3)
   vit_depth           ViT blocks; 0 (default) for the size's 12 (fewer for tests and CPU demos)
   width_multiplier    scales every channel width (SimCLR's wide ResNets)
   cifar_stem          3x3 stride-1 stem without max-pool, for 32px images
@@ -145,6 +146,7 @@ def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
         patch_size=patch,
         image_size=image_size,
         drop_path_rate=rate,
+        pos_embed_init=str(model_config.get("pos_embed_init", "learned")),
         dtype=_dtype(model_config.dtype),
     )
 

@@ -81,6 +81,22 @@ def resample_pos_embed(pos: jax.Array, grid: tuple[int, int]) -> jax.Array:
     return resized.reshape(1, grid[0] * grid[1], dim).astype(pos.dtype)
 
 
+def sincos_pos_embed(grid: int, dim: int) -> jax.Array:
+    """MoCo v3's fixed 2-D sin-cos position embeddings (vits.py
+    ``build_2d_sincos_position_embedding``, temperature 10000), (1, 1 + grid**2, dim) with a
+    zero embedding for the class token: a quarter of the channels each for sin and cos of the
+    first grid coordinate, then of the second, at frequencies 1 / 10000**(k / (dim / 4))."""
+    if dim % 4:
+        raise ValueError(f"2-D sin-cos position embeddings need a width divisible by 4, not {dim}")
+    quarter = dim // 4
+    omega = 1.0 / 10000.0 ** (jnp.arange(quarter, dtype=jnp.float32) / quarter)
+    first, second = jnp.meshgrid(jnp.arange(grid), jnp.arange(grid), indexing="ij")
+    a = first.reshape(-1, 1).astype(jnp.float32) * omega
+    b = second.reshape(-1, 1).astype(jnp.float32) * omega
+    patches = jnp.concatenate([jnp.sin(a), jnp.cos(a), jnp.sin(b), jnp.cos(b)], axis=1)
+    return jnp.concatenate([jnp.zeros((1, dim)), patches])[None]
+
+
 class DropPath(nn.Module):
     """Stochastic depth (Huang et al. 2016): drops the residual branch of whole examples with
     probability ``rate`` and scales the kept ones by 1 / (1 - rate); identity when not
@@ -164,6 +180,9 @@ class VisionTransformer(nn.Module):
     image_size: int = 224
     mlp_ratio: float = 4.0
     drop_path_rate: float = 0.0  # the last block's; block i's is rate * i / (depth - 1)
+    # "learned" (timm, DINO: trunc-normal init, trained) or "sincos" (MoCo v3: fixed 2-D
+    # sin-cos values; the method holds them fixed through the optimizer's freeze)
+    pos_embed_init: str = "learned"
     dtype: Any = jnp.float32  # computation dtype; parameters stay float32
 
     @nn.compact
@@ -192,7 +211,15 @@ class VisionTransformer(nn.Module):
         x = x.reshape(b, h * w, d)
         grid = self.image_size // p
         cls = self.param("cls_token", _trunc_normal, (1, 1, d), jnp.float32)
-        pos = self.param("pos_embed", _trunc_normal, (1, 1 + grid * grid, d), jnp.float32)
+        if self.pos_embed_init == "sincos":
+            pos_init = lambda key, shape, dtype: sincos_pos_embed(grid, d).astype(dtype)  # noqa: E731
+        elif self.pos_embed_init == "learned":
+            pos_init = _trunc_normal
+        else:
+            raise ValueError(
+                f"model.pos_embed_init={self.pos_embed_init!r}: use 'learned' or 'sincos'."
+            )
+        pos = self.param("pos_embed", pos_init, (1, 1 + grid * grid, d), jnp.float32)
         patch_pos = resample_pos_embed(pos[:, 1:], (h, w))
         x = jnp.concatenate(
             [jnp.broadcast_to(cls + pos[:, :1], (b, 1, d)), x + patch_pos], axis=1
