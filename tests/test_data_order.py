@@ -20,6 +20,23 @@ def demo_dir(tmp_path_factory):
     return prepare_shared_dirs(tmp_path_factory)[0]
 
 
+@pytest.fixture(scope="module")
+def array_record_dir(tmp_path_factory):
+    """The demo dataset prepared in ArrayRecord files (random access), first 48 train examples."""
+    from jssl.data import demo
+
+    root = tmp_path_factory.mktemp("array_record")
+
+    sizes = dict(demo.SPLIT_SIZES)
+    demo.SPLIT_SIZES.update(train=48, test=16)  # seconds, not the full 10,000 images
+    try:
+        builder = tfds.builder(sources.DEMO_NAME, data_dir=str(root), file_format="array_record")
+        builder.download_and_prepare()
+    finally:
+        demo.SPLIT_SIZES.update(sizes)
+    return str(root)
+
+
 def _config(data_dir, **overrides):
     config = data.default_config()
     config.update(
@@ -83,11 +100,15 @@ def test_epoch_order_is_a_fresh_permutation():
         data.process_order(orders[0], 0, 3)
 
 
-@pytest.mark.parametrize("source", ["demo_cached", "folder"])
-def test_global_batch_does_not_depend_on_process_count(source, demo_dir, tmp_path):
+@pytest.mark.parametrize("source", ["demo_cached", "folder", "array_record"])
+def test_global_batch_does_not_depend_on_process_count(source, demo_dir, tmp_path, request):
     if source == "folder":
         _write_folder(tmp_path)
         config = _config(str(tmp_path), source="folder")
+        num = 24
+    elif source == "array_record":  # uncached TFDS, read by index
+        config = _config(request.getfixturevalue("array_record_dir"), train_subset=24)
+        assert "exact" in data.train_order(config)
         num = 24
     else:
         config = _config(demo_dir, cache=True, train_subset=24)
@@ -116,6 +137,7 @@ def test_every_host_sees_every_class(tmp_path):
 
 def test_uncached_tfds_blocks(demo_dir):
     config = _config(demo_dir, train_subset=96, batch_size=16)
+    assert "seeded blocks" in data.train_order(config)  # TFRecord files: the documented limit
     per_process = _epoch(config, 2, seed=0, epoch=0)
     assert [len(b) for b in per_process] == [6, 6]
     seen = [np.concatenate([b["index"] for b in batches]) for batches in per_process]
@@ -234,6 +256,35 @@ def test_tfds_skip_corrupt_streamed(tmp_path):
         config.skip_corrupt = False
         with pytest.raises(tf.errors.InvalidArgumentError):
             _epoch(config, 1, seed=0, epoch=0)
+
+
+def test_array_record_skip_corrupt_and_eval(array_record_dir, monkeypatch):
+    config = _config(array_record_dir, train_subset=32)
+    order = data.epoch_order(32, 8, seed=0, epoch=0)
+    streams = [data.process_order(order, p, 2) for p in range(2)]
+    bad = {int(streams[0][1]), int(streams[1][-1])}
+    fetch = sources.SplitSource.fetch
+
+    def fetch_with_garbage(self, indices):
+        images, labels = fetch(self, indices)
+        images[[int(i) in bad for i in indices]] = b"garbage"
+        return images, labels
+
+    monkeypatch.setattr(sources.SplitSource, "fetch", fetch_with_garbage)
+    config.skip_corrupt = True
+    _check_replaced(config, lambda p: streams[p], bad)
+    config.skip_corrupt = False
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"Unreadable.*example \d+ of split"):
+        _epoch(config, 2, seed=0, epoch=0)
+    monkeypatch.undo()
+    # data.cache decodes the split through the same reads, and gives the same rows.
+    config.cache = True
+    cached = _global(_epoch(config, 2, seed=0, epoch=0))
+    for t, batch in enumerate(cached):
+        np.testing.assert_array_equal(batch["index"], order[t])
+    # Evaluation reads the ArrayRecord files in index order: every example once.
+    batches = list(data.build_eval_dataset(config, "test", batch_size=8).as_numpy_iterator())
+    np.testing.assert_array_equal(np.concatenate([b["index"] for b in batches]), np.arange(16))
 
 
 def test_unknown_split_names_the_choices(demo_dir, tmp_path):

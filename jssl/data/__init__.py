@@ -22,6 +22,7 @@ from jssl.data.pipeline import (
     build_train_dataset,
     num_examples,
     steps_per_epoch,
+    train_order,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "steps_per_epoch",
     "stream_block_ranges",
     "synthetic_batch",
+    "train_order",
 ]
 
 

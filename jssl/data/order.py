@@ -14,19 +14,23 @@ fresh mix of every class each epoch, and the examples of global batch t do not d
 processes or devices share it. This holds exactly where examples can be read in any order:
 
 - image folders (files are random access);
+- TFDS datasets prepared in ArrayRecord files (`tfds build NAME --file_format=array_record`, or
+  the `file_format` argument of a builder): each process reads just its rows, by index, through
+  TFDS's random-access data source (jssl.data.sources.SplitSource.fetch);
 - TFDS with data.cache=True: each process decodes the whole split into memory once and gathers
   from it (the cache is meant for splits that fit in host memory).
 
-TFDS without the cache is a deliberate, documented limit: TFDS record files are read
-sequentially, and exact global order would make every host read the whole split every epoch.
-Instead the split is cut into 16 contiguous blocks per process, the blocks get a seeded order per
-(seed, epoch), and each process reads its 1/P of that sequence (TFDS split slices: whole record
-files are skipped, only the records before a block within its first file are read and dropped),
-round-robin over its blocks, through the shuffle buffer. What holds: each example at most once per
-epoch, a fresh draw of blocks from the whole split on every host every epoch, exact resume, equal
-step counts. What does not: batch t depends on the process count, and mixing is within a host's
-blocks and the buffer, not a full permutation (use data.cache=True, or an image folder, where that
-matters).
+TFDS in TFRecord files (TFDS's default format) without the cache is the one documented exception:
+TFRecord files are read sequentially, and exact global order would make every host read the whole
+split every epoch. Instead the split is cut into 16 contiguous blocks per process, the blocks get a
+seeded order per (seed, epoch), and each process reads its 1/P of that sequence (TFDS split
+slices: whole record files are skipped, only the records before a block within its first file are
+read and dropped), round-robin over its blocks, through the shuffle buffer. What holds: each
+example at most once per epoch, a fresh draw of blocks from the whole split on every host every
+epoch, exact resume, equal step counts. What does not: batch t depends on the process count, and
+mixing is within a host's blocks and the buffer, not a full permutation (prepare the dataset as
+ArrayRecord, use data.cache=True, or an image folder, where that matters; the trainer logs which
+order a run gets).
 
 Unreadable examples (data.skip_corrupt=True) never change the number of batches, so processes stay
 in step: each stream position keeps its row, an unreadable example is replaced by the next
@@ -45,7 +49,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-_BLOCKS_PER_PROCESS = 16  # TFDS without cache: contiguous blocks each process reads per epoch
+_BLOCKS_PER_PROCESS = 16  # TFRecord TFDS without cache: contiguous blocks per process per epoch
 
 
 def shard_bounds(num: int, process_count: int, process_index: int) -> tuple[int, int]:
@@ -105,7 +109,7 @@ def process_order(order: np.ndarray, process_index: int, process_count: int) -> 
 def stream_block_ranges(
     num: int, stream_size: int, *, seed: int, epoch: int, process_index: int, process_count: int
 ) -> list[tuple[int, int]]:
-    """[start, end) ranges of the split that make up this process's stream (TFDS, uncached).
+    """[start, end) ranges of the split in this process's stream (TFRecord TFDS, uncached).
 
     The split is cut into _BLOCKS_PER_PROCESS * process_count contiguous blocks, the blocks are
     put in a seeded order per (seed, epoch) and concatenated, and process p reads positions

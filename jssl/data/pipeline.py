@@ -8,10 +8,11 @@ stateless ops seeded per example (the per-example-rng idea of clu.deterministic_
 dataset index instead of the position in the stream), and tf.data runs with deterministic=True.
 
 Which example goes in which row of which batch, what holds for each source (exact global order
-for image folders and cached TFDS, seeded blocks for uncached TFDS) and what replaces an
-unreadable example is jssl.data.order's topic, documented there; this module reads, decodes and
-augments the examples in that order. With data.skip_corrupt=False an unreadable image fails,
-naming the file (folders) or the indices (cached TFDS); uncached TFDS raises the decoder's error.
+for image folders, ArrayRecord and cached TFDS; seeded blocks for uncached TFRecord TFDS) and what
+replaces an unreadable example is jssl.data.order's topic, documented there; this module reads,
+decodes and augments the examples in that order. With data.skip_corrupt=False an unreadable image
+fails, naming the file (folders) or the example (ArrayRecord TFDS) or the indices (cached TFDS);
+streamed TFRecord TFDS raises the decoder's error.
 """
 
 from __future__ import annotations
@@ -40,40 +41,75 @@ def steps_per_epoch(data_config, process_count: int = 1) -> int:
     return num_examples(data_config, data_config.train_split) // data_config.batch_size
 
 
+def train_order(data_config) -> str:
+    """A line for the log: which training order this source gives (see jssl.data.order)."""
+    source = sources.resolve_split(data_config, data_config.train_split, data_config.train_subset)
+    if source.random_access or (data_config.cache and source.kind == "tfds"):
+        return (
+            "exact: each epoch is a seeded permutation of the whole train split, and global batch "
+            "t holds the same examples on any number of processes"
+        )
+    return (
+        "seeded blocks: TFDS TFRecord files are read sequentially, so global batch t depends on "
+        "the process count; prepare the dataset with `tfds build --file_format=array_record` or "
+        "set data.cache=True for the exact order"
+    )
+
+
 def _options(ds: tf.data.Dataset) -> tf.data.Dataset:
     options = tf.data.Options()
     options.deterministic = True
     return ds.with_options(options)
 
 
-def _checked_folder_images(
+def _checked_images(
     source: sources.SplitSource,
     stream: np.ndarray,
     positions: tf.data.Dataset,
     first_position: int,
     skip_corrupt: bool,
 ) -> tf.data.Dataset:
-    """Decode folder images at `positions` of `stream` (wrapping), naming any unreadable file.
+    """Decode the examples at `positions` of `stream` (wrapping) of a random-access source (image
+    folder or ArrayRecord TFDS), naming any unreadable one.
 
     Decoding errors are dropped with ignore_errors, then order.with_gaps notices the hole in the
-    positions. No file is opened twice.
+    positions. No example is read twice.
     """
-    paths = tf.constant(np.asarray(source.paths, dtype=object)[stream])
-    labels = tf.constant(source.labels[stream])
     indices = tf.constant(stream.astype(np.int64))
     size = len(stream)
+    if source.kind == "folder":
+        paths = tf.constant(np.asarray(source.paths, dtype=object)[stream])
+        labels = tf.constant(source.labels[stream])
 
-    def lookup(position):
-        i = position % size
-        return {"position": position, "path": paths[i], "label": labels[i], "index": indices[i]}
+        def lookup(position):
+            i = position % size
+            path, label = paths[i], labels[i]
+            return {"position": position, "image": path, "label": label, "index": indices[i]}
+
+        ds = positions.map(lookup)
+
+        def describe(position):
+            return paths[position % size]
+
+    else:
+        # The positions' examples, read by index; each record gets its position back.
+        ds = positions.map(lambda position: indices[position % size])
+        records = source.fetch_records(ds)
+        ds = tf.data.Dataset.zip(positions, records).map(
+            lambda position, record: {**record, "position": position}
+        )
+
+        def describe(position):
+            return tf.strings.format(
+                "example {} of split {}", (indices[position % size], source.split)
+            )
 
     def decode(record):
-        return {**record, "image": sources.decode_image(record["path"], is_path=True)}
+        image = sources.decode_image(record["image"], is_path=source.kind == "folder")
+        return {**record, "image": image}
 
-    ds = positions.map(lookup).map(decode, num_parallel_calls=AUTOTUNE, deterministic=True)
-    return order.with_gaps(
-        ds.ignore_errors(), first_position, skip_corrupt, lambda p: paths[p % size]
-    )
+    ds = ds.map(decode, num_parallel_calls=AUTOTUNE, deterministic=True)
+    return order.with_gaps(ds.ignore_errors(), first_position, skip_corrupt, describe)
 
 
 def _crops_fn(data_config, seed: int, epoch: int):
@@ -182,28 +218,28 @@ def build_train_dataset(
     first, end = start_step * local_batch, steps * local_batch
     skip_corrupt = data_config.skip_corrupt
 
-    if source.kind == "folder" or data_config.cache:
+    cached = data_config.cache and source.kind == "tfds"
+    if cached or source.random_access:
         stream = order.process_order(
             order.epoch_order(source.num_examples, data_config.batch_size, seed=seed, epoch=epoch),
             process_index,
             process_count,
         )
-    if source.kind == "folder":
-        if data_config.cache:
-            logging.info("data.cache is not used for image folders; the OS page cache serves.")
+    if source.kind == "folder" and data_config.cache:
+        logging.info("data.cache is not used for image folders; the OS page cache serves.")
+    if cached:
+        ds = _cached_rows(data_config, source, stream, first, end)
+    elif source.random_access:
         if skip_corrupt:
-            checked = _checked_folder_images(
-                source, stream, tf.data.Dataset.range(first, end), first, True
-            )
-            restart = _checked_folder_images(source, stream, tf.data.Dataset.range(0, end), 0, True)
+            positions = tf.data.Dataset.range(first, end)
+            checked = _checked_images(source, stream, positions, first, True)
+            restart = _checked_images(source, stream, tf.data.Dataset.range(0, end), 0, True)
             ds = order.replace_unreadable(checked, restart, end - first)
         else:
             # One position past the end (wrapping) lets the scan see a hole at the very end.
             positions = tf.data.Dataset.range(first, end + 1)
-            ds = _checked_folder_images(source, stream, positions, first, False)
+            ds = _checked_images(source, stream, positions, first, False)
             ds = ds.filter(lambda r: r["position"] < end).map(lambda r: order.train_row(r, False))
-    elif data_config.cache:
-        ds = _cached_rows(data_config, source, stream, first, end)
     else:
         ranges = order.stream_block_ranges(
             source.num_examples,
@@ -269,7 +305,7 @@ def build_eval_dataset(
         # One position past the end (wrapping to the first file) lets the scan see a final hole;
         # that extra record is then dropped.
         positions = tf.data.Dataset.range(0, end - start + 1)
-        ds = _checked_folder_images(source, shard, positions, 0, data_config.skip_corrupt)
+        ds = _checked_images(source, shard, positions, 0, data_config.skip_corrupt)
         ds = ds.filter(lambda r: r["position"] < end - start)
     else:
         ds = source.read(start, end).map(_decode_record, num_parallel_calls=AUTOTUNE)

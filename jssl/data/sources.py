@@ -5,6 +5,11 @@ range [start, end) of it in a stable order, as raw records {"image": encoded byt
 "label", "index"}. Decoding is left to the pipeline so that skipping and shuffling happen on cheap
 undecoded records. Dataset indices are positions in the stored split order (TFDS with
 shuffle_files=False; folders sorted by class then file name), so they are stable across runs.
+
+Some sources can also read any single example (`random_access`): image folders, and TFDS datasets
+prepared in ArrayRecord files (`tfds build NAME --file_format=array_record`), read through TFDS's
+random-access data source. The training pipeline then reads exactly the examples of the global
+order (jssl.data.order); TFRecord files can only be streamed.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
+from tensorflow_datasets.core import file_adapters
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 DEMO_NAME = "jssl_demo"
+_FETCH_CHUNK = 64  # ArrayRecord: examples read per data-source call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +42,42 @@ class SplitSource:
     sliceable: bool = True  # tfds: split info known, so ranges are read with split slicing
     paths: tuple[str, ...] = ()  # folder: files in index order
     labels: np.ndarray | None = None  # folder: int32 labels in index order
+    array_record: bool = False  # tfds: prepared in ArrayRecord files, readable by index
+
+    @property
+    def random_access(self) -> bool:
+        """Whether any example can be read on its own, in any order."""
+        return self.kind == "folder" or self.array_record
+
+    @functools.cached_property
+    def _data_source(self):
+        # TFDS's random-access reader over the ArrayRecord files (one per process, opened once);
+        # SkipDecoding keeps the image encoded, as read() does.
+        return self.builder.as_data_source(
+            split=self.base_split, decoders={"image": tfds.decode.SkipDecoding()}
+        )
+
+    def fetch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Encoded images (bytes objects) and int32 labels of examples `indices` (ArrayRecord)."""
+        if not self.array_record:
+            raise ValueError(f"Split {self.split!r} is not stored in ArrayRecord files.")
+        records = self._data_source.__getitems__([self.offset + int(i) for i in indices])
+        images = np.asarray([r["image"] for r in records], dtype=object)
+        return images, np.asarray([r["label"] for r in records], np.int32)
+
+    def fetch_records(self, indices: tf.data.Dataset) -> tf.data.Dataset:
+        """Raw records {"image", "label", "index"} of a dataset of int64 indices (ArrayRecord),
+        read in chunks (one data-source call each), in parallel and in order."""
+
+        def chunk_records(chunk):
+            images, labels = tf.numpy_function(self.fetch, [chunk], [tf.string, tf.int32])
+            images.set_shape([None])
+            labels.set_shape([None])
+            return {"image": images, "label": labels, "index": chunk}
+
+        ds = indices.batch(_FETCH_CHUNK)
+        ds = ds.map(chunk_records, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return ds.unbatch()
 
     def read(self, start: int, end: int) -> tf.data.Dataset:
         """Raw records of examples [start, end) of this split, in index order."""
@@ -45,6 +88,8 @@ class SplitSource:
                 "index": np.arange(start, end, dtype=np.int64),
             }
             return tf.data.Dataset.from_tensor_slices(records)
+        if self.array_record:  # TFDS reads ArrayRecord files only through its data source
+            return self.fetch_records(tf.data.Dataset.range(start, end))
         # SkipDecoding: shuffle and skip encoded bytes, decode only what is used.
         kwargs = dict(shuffle_files=False, decoders={"image": tfds.decode.SkipDecoding()})
         if self.sliceable:
@@ -131,6 +176,7 @@ def _resolve_tfds(data_config, split: str) -> SplitSource:
             offset=start,
             builder=builder,
             base_split=absolute.splitname,
+            array_record=builder.info.file_format == file_adapters.FileFormat.ARRAY_RECORD,
         )
     # No split metadata: the data is mocked (tfds.testing.mock_data) or missing. Count by reading,
     # which only works in the first case.

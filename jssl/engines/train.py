@@ -129,6 +129,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str, Any]:
     mesh = parallel.make_mesh()
     steps_per_epoch = _steps_per_epoch(config)
+    logging.info("Training order: %s.", data.train_order(config.data))
     method = methods.get(config, steps_per_epoch)
     tx, schedule = make_optimizer(config, method, steps_per_epoch)
     manager, state, position, resumed = _start_state(config, workdir, method, tx, mesh)
