@@ -338,3 +338,99 @@ def test_bad_param_groups_name_the_field(groups, match):
         optim.build_grouped_optimizer(
             _cfg(param_groups=groups), _model_params(), lambda s: 0.1, 256
         )
+
+
+# --------------------------------------------------------------------------------------------
+# A group's own weight decay (VISSL head_optimizer_params.use_different_wd / weight_decay)
+
+
+def test_param_group_entries_with_a_weight_decay():
+    groups = optim.param_groups(
+        _cfg(param_groups=(("head", 1.0, 1e-6), ("trunk", 2.0, "constant", 0), ("x", 3.0)))
+    )
+    assert groups == (
+        optim.ParamGroup("head", 1.0, "schedule", 1e-6),
+        optim.ParamGroup("trunk", 2.0, "constant", 0.0),
+        optim.ParamGroup("x", 3.0, "schedule", None),
+    )
+    for bad in (("head", 1.0, -1e-4), ("head", 1.0, 1e-4, "constant"), ("head", 1.0, "x", 0.1)):
+        with pytest.raises(ValueError, match="weight_decay >= 0"):
+            optim.param_groups(_cfg(param_groups=(bad,)))
+
+
+def test_group_weight_decay_replaces_the_runs_and_keeps_the_mask():
+    # SGD, g = 1, p = 1, lr 0.1: the head decays by 0.1 (biases too: regularize_bias), its BN
+    # scale not at all (regularize_bn False), the trunk by the run's 0.5.
+    c = _cfg(
+        name="sgd",
+        momentum=0.0,
+        weight_decay=0.5,
+        regularize_bn=False,
+        param_groups=(("head", 2.0, 0.1),),
+    )
+    updates = _grouped_updates(c, steps=1)[0]
+    np.testing.assert_allclose(updates["head"]["fc0"]["kernel"], -0.2 * 1.1, rtol=1e-6)
+    np.testing.assert_allclose(updates["head"]["fc0"]["bias"], -0.2 * 1.1, rtol=1e-6)
+    np.testing.assert_allclose(updates["head"]["bn0"]["scale"], -0.2 * 1.0, rtol=1e-6)
+    np.testing.assert_allclose(updates["trunk"]["conv"]["kernel"], -0.1 * 1.5, rtol=1e-6)
+    # A head weight decay of 0: the head's update is the plain gradient step.
+    c.param_groups = (("head", 1.0, 0.0),)
+    updates = _grouped_updates(c, steps=1)[0]
+    np.testing.assert_allclose(updates["head"]["fc0"]["kernel"], -0.1, rtol=1e-6)
+    np.testing.assert_allclose(updates["trunk"]["layer4"]["kernel"], -0.15, rtol=1e-6)
+
+
+def test_group_weight_decay_in_adamw_and_larc():
+    params = _model_params()
+    grads = jax.tree.map(lambda p: 0.3 * jnp.ones_like(p), params)
+
+    def first_update(c, params=params, grads=grads):
+        tx = optim.build_grouped_optimizer(c, params, lambda s: 0.1, 256)
+        return jax.tree.map(np.asarray, tx.update(grads, tx.init(params), params)[0])
+
+    # AdamW: decoupled, lr x wd x p on top of Adam's first step (-lr sign(g)).
+    adamw = _cfg(name="adamw", weight_decay=0.05, param_groups=(("head", 1.0, 0.4),))
+    u = first_update(adamw)
+    np.testing.assert_allclose(u["head"]["fc0"]["kernel"], -0.1 * (1 + 0.4), rtol=1e-5)
+    np.testing.assert_allclose(u["trunk"]["conv"]["kernel"], -0.1 * (1 + 0.05), rtol=1e-5)
+    # LARC: the group's decay enters the trust ratio, as LARC built with it alone (gradients
+    # not parallel to the weights, else the decay cancels out of the ratio).
+    grads = jax.tree.map(lambda p: jnp.linspace(-0.3, 0.5, p.size).reshape(p.shape), params)
+    larc = _cfg(name="larc", weight_decay=1e-4, param_groups=(("head", 1.0, 0.2),))
+    u = first_update(larc, grads=grads)
+    head = {"head": params["head"]}
+    alone = _cfg(name="larc", weight_decay=0.2)
+    want = optim.build_optimizer(alone, head, lambda s: 0.1)
+    want = want.update({"head": grads["head"]}, want.init(head), head)[0]
+    np.testing.assert_allclose(u["head"]["fc0"]["kernel"], want["head"]["fc0"]["kernel"], 1e-6)
+    trunk_only = optim.build_optimizer(_cfg(name="larc", weight_decay=0.2), params, lambda s: 0.1)
+    other = trunk_only.update(grads, trunk_only.init(params), params)[0]
+    assert not np.allclose(u["trunk"]["conv"]["kernel"], other["trunk"]["conv"]["kernel"])
+
+
+def test_group_weight_decay_is_constant_under_a_cosine_schedule():
+    # The run's decay follows the cosine 0.5 -> 0.1 over 4 steps; the head keeps 0.2.
+    c = _cfg(
+        name="sgd",
+        momentum=0.0,
+        weight_decay=0.5,
+        weight_decay_schedule="cosine",
+        weight_decay_end=0.1,
+        update_interval="step",
+        param_groups=(("head", 1.0, 0.2),),
+    )
+    params = _model_params()
+    tx = optim.build_grouped_optimizer(
+        c, params, lambda s: 0.1, 256, steps_per_epoch=2, num_epochs=2
+    )
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.zeros_like, params)  # the update is the decay alone
+    schedule = optim.weight_decay_schedule(c, 2, 2)
+    for step in range(4):
+        updates, state = tx.update(grads, state, params)
+        np.testing.assert_allclose(updates["head"]["fc0"]["kernel"], -0.1 * 0.2, rtol=1e-6)
+        trunk_decay = float(schedule(step))
+        np.testing.assert_allclose(
+            updates["trunk"]["conv"]["kernel"], -0.1 * trunk_decay, rtol=1e-5
+        )
+    assert float(schedule(0)) == 0.5 and float(schedule(3)) < 0.2
