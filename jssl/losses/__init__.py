@@ -24,7 +24,7 @@ from jssl.losses.distillation import (
     dino_update_center,
     simsiam_loss,
 )
-from jssl.losses.supervised import cross_entropy, top_k_hits
+from jssl.losses.supervised import cross_entropy, multi_output_cross_entropy, top_k_hits
 from jssl.losses.swav import sinkhorn_knopp, swav_crop_losses, swav_loss
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "info_nce_with_queue",
     "l2_normalize",
     "mocov3_info_nce",
+    "multi_output_cross_entropy",
     "multicrop_simclr_info_nce",
     "simclr_info_nce",
     "simsiam_loss",
