@@ -74,7 +74,10 @@ class LossOutput(NamedTuple):
       rows only.
     terms: the unweighted loss terms, ``{name: (n,)}`` per local example (a batch-level term
       broadcast to every row); ``per_example_loss`` is their weighted sum
-      (``common.weighted_loss``). The test phase averages each over the split and writes it.
+      (``common.weighted_loss``). Terms split per crop also bring their family's mean at the
+      parts' shares under the family's name (``common.reported_terms``: the single term of
+      before, reported, not weighted again). The test phase averages each over the split and
+      writes it.
     per_example_metrics: ``{name: (n,)}`` per local example (a classifier's top-1 hits, in %):
       the test phase reports their mean over the real rows of the split, exactly, in place of
       the batch mean of the same name in ``metrics`` (which the train logs keep).
