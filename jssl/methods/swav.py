@@ -13,10 +13,12 @@ prototype sets.
 
 Loss terms (``terms``): one per assignment crop, ``swapped_prediction_crop<a>``: the loss whose
 targets are crop ``a``'s codes, averaged over the crops that predict them and over the
-prototype sets (VISSL's per-``crops_for_assign`` ``loss``). Each weighs 1 / len(crops_for_assign)
-by default, so their sum is VISSL's mean over assignment crops, bit for bit with the two large
-crops; ``--config.loss.weights.swapped_prediction_crop1=0`` trains on crop 0's codes alone
-(crop 1 still predicts them), and ``loss.weights.swapped_prediction`` scales every crop's term.
+prototype sets (VISSL's per-``crops_for_assign`` ``loss``). Each weighs 1 /
+len(crops_for_assign) by default, so their sum is VISSL's mean over assignment crops, bit for
+bit with the two large crops and one prototype set (with several, to float32 rounding: the sets
+are averaged within each crop's term first);
+``--config.loss.weights.swapped_prediction_crop1=0`` trains on crop 0's codes alone (crop 1
+still predicts them), and ``loss.weights.swapped_prediction`` scales every crop's term.
 TensorBoard and the test phase keep ``swapped_prediction``, the crops' mean at their shares.
 
 After the optimizer step the prototypes are L2-normalised again (VISSL's
