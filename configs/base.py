@@ -6,6 +6,7 @@ command-line override of one field follows through.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_base_config() -> ml_collections.ConfigDict:
@@ -178,16 +179,40 @@ def get_base_config() -> ml_collections.ConfigDict:
 def loss_terms(c: ml_collections.ConfigDict, **weights: float) -> None:
     """Declares the method's loss terms with their weights, each with a constant ramp that the
     command line can turn into one, e.g. ``--config.loss.ramps.variance.kind=linear
-    --config.loss.ramps.variance.end=10`` (from 0 to the weight over the first 10 epochs)."""
+    --config.loss.ramps.variance.end=10`` (from 0 to the weight over the first 10 epochs).
+
+    A method whose terms depend on the config (``terms(config)`` of its module: SwAV's per
+    assignment crop, DINO's per teacher crop, the supervised method's per output) gets a field
+    for each term of ``c`` as it stands, so call this after the method fields that name them
+    (``method.crops_for_assign``, ``method.teacher_crops``, ``method.tap_classifiers``). The
+    weights given here may name a family (``swapped_prediction=1.0``: it multiplies its parts);
+    the parts not given are placeholders (None: their share of the family's mean), which
+    ``--config.loss.weights.swapped_prediction_crop1=0`` sets.
+    """
     c.loss.weights = ml_collections.ConfigDict({name: float(w) for name, w in weights.items()})
+    names = list(weights)
+    for term in _method_terms(c):
+        if term.name not in weights:
+            c.loss.weights[term.name] = config_dict.placeholder(float)
+            names.append(term.name)
     c.loss.ramps = ml_collections.ConfigDict(
         {
             name: ml_collections.ConfigDict(
                 dict(kind="constant", initial=0.0, begin=0.0, end=0.0, unit="epochs")
             )
-            for name in weights
+            for name in names
         }
     )
+
+
+def _method_terms(c: ml_collections.ConfigDict) -> tuple:
+    """The terms of ``c.method.name`` under ``c`` (jssl.methods.loss_terms); none for a name
+    jssl does not know (the base config alone)."""
+    from jssl import methods  # imported here: only configs that declare loss terms need it
+
+    if c.method.get("name") not in methods.METHODS:
+        return ()
+    return methods.loss_terms(c)
 
 
 def byol_views(c: ml_collections.ConfigDict) -> None:

@@ -10,35 +10,56 @@ configs/config/benchmark/semi_supervised/imagenet1k/eval_resnet_8gpu_transfer_in
   python launch.py --config=configs/supervised.py:finetune_demo --workdir=runs/ft_demo \
       --config.init.checkpoint=runs/simclr_demo             # a demo SSL run, 10% of the labels
 
-Presets: "" / "imagenet" (VISSL's supervised ResNet-50 recipe), "finetune_1pct" /
+Presets: "" / "imagenet" (VISSL's supervised ResNet-50 recipe), "finetune_full" (a pre-trained
+trunk fine-tuned on all of ImageNet's labels, VISSL's fulltune benchmark with the head at weight
+decay 1e-6 and the trunk at 1e-4), "finetune_1pct" /
 "finetune_10pct" (a pre-trained trunk fine-tuned with a fresh classifier on TFDS
 ``imagenet2012_subset/1pct`` / ``10pct``, tested on the full validation set), "demo" (small
 ResNet-18 on the built-in demo data; prints test top-1 and the kNN of learned vs random-init
 features), "finetune_demo" (a demo workdir's trunk fine-tuned on 10% of the demo labels),
 "test" (tiny). Each test phase reports ``top1`` / ``top5`` (%) over the whole test split.
 
-Per-layer learning rates: ``optim.param_groups`` (VISSL's ``head_optimizer_params`` +
-``param_schedulers.lr_head``); the fine-tuning presets name the head group with VISSL's value
-(the same rate as the trunk), so ``--config.optim.param_groups="(('head', 10.0),)"`` gives the
-head ten times the trunk's rate.
+Per-layer learning rates and weight decay: ``optim.param_groups`` (VISSL's
+``head_optimizer_params`` + ``param_schedulers.lr_head``); the fine-tuning presets name the
+head group with VISSL's values (the trunk's rate; the trunk's weight decay in the semi-supervised
+ones, 1e-6 in "finetune_full"), so ``--config.optim.param_groups="(('head', 10.0),)"`` gives the
+head ten times the trunk's rate and ``"(('head', 10.0, 0.0),)"`` also no weight decay.
+
+Several outputs: ``--config.method.tap_classifiers="('res4',)"`` adds a linear classifier on the
+res4 tap next to the head, trained on the same labels (VISSL's multiple-output cross-entropy:
+the outputs' losses summed); each reports its own top-1 / top-5.
 """
 
 import ml_collections
 
 from configs import base
 
-PRESETS = ("", "imagenet", "finetune_1pct", "finetune_10pct", "demo", "finetune_demo", "test")
+PRESETS = (
+    "",
+    "imagenet",
+    "finetune_full",
+    "finetune_1pct",
+    "finetune_10pct",
+    "demo",
+    "finetune_demo",
+    "test",
+)
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c = base.get_base_config()
     m = c.method
     m.name = "supervised"
-    # LOSS cross_entropy_multiple_output_single_target: label_smoothing 0.0 (its default).
+    # LOSS cross_entropy_multiple_output_single_target: label_smoothing 0.0, temperature 1.0,
+    # normalize_output False (its defaults).
     m.label_smoothing = 0.0
+    m.temperature = 1.0  # the logits are divided by it
+    m.normalize_output = False  # L2-normalise the logits first
+    # Trunk taps with their own linear classifier, trained on the same labels next to the head
+    # (VISSL's multiple outputs), e.g. ('res4', 'res5'): terms cross_entropy_<tap>, summed.
+    m.tap_classifiers = ()
     # True: refuse to start without init.checkpoint (the fine-tuning presets).
     m.require_init_checkpoint = False
-    base.loss_terms(c, cross_entropy=1.0)
 
     # TRUNK resnet DEPTH 50 (ZERO_INIT_RESIDUAL False); HEAD mlp dims [2048, 1000], one linear
     # layer giving the class logits; no SyncBN.
@@ -93,6 +114,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     if preset in ("", "imagenet"):
         pass
+    elif preset == "finetune_full":
+        _finetune_full(c)
     elif preset == "finetune_1pct":
         _finetune(c, "imagenet2012_subset/1pct")
     elif preset == "finetune_10pct":
@@ -110,6 +133,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             f"Unknown preset {preset!r} of configs/supervised.py: use one of "
             f"{', '.join(repr(p) for p in PRESETS)}."
         )
+    # After the presets: one weight field per output (cross_entropy, cross_entropy_<tap>).
+    base.loss_terms(c, cross_entropy=1.0)
     return c
 
 
@@ -139,9 +164,38 @@ def _finetune(c: ml_collections.ConfigDict, dataset: str) -> None:
     o.gamma = 0.1
     c.num_epochs = 70
     c.seed = 1
-    # lr_head: the recipe leaves head_optimizer_params.use_different_lr False, i.e. the head
-    # at the trunk's rate; the group is named so the command line can change it.
+    # lr_head: the recipe leaves head_optimizer_params.use_different_lr and use_different_wd
+    # False, i.e. the head at the trunk's rate and weight decay (vissl/config/defaults.yaml;
+    # no semi-supervised yaml sets either); the group is named so the command line can change
+    # them, e.g. --config.optim.param_groups="(('head', 10.0, 1e-6),)".
     o.param_groups = (("head", 1.0),)
+
+
+def _finetune_full(c: ml_collections.ConfigDict) -> None:
+    """VISSL's full fine-tuning on all of ImageNet's labels
+    (benchmark/fulltune/imagenet1k/eval_resnet_8gpu_transfer_in1k_fulltune.yaml) with its
+    optimization/different_lr_trunk_head.yaml, the VISSL recipe that gives the head its own
+    weight decay: trunk 1e-4, head 1e-6 (head_optimizer_params use_different_wd True,
+    weight_decay 0.000001), the head at the trunk's schedule (lr_head = lr)."""
+    c.method.require_init_checkpoint = True
+    c.init.skip = ("head",)
+    c.data.test_split = "validation"
+    c.data.batch_size = 256  # BATCHSIZE_PER_REPLICA 32 x 8 GPUs
+    a = c.data.augment  # RandomResizedCrop 224 + RandomHorizontalFlip only
+    a.color_jitter_prob = (0.0,)
+    a.grayscale_prob = (0.0,)
+    a.blur_prob = (0.0,)
+    # OPTIMIZER sgd, momentum 0.9, nesterov True, weight_decay 0.0001, regularize_bn False,
+    # regularize_bias True; lr (and lr_head) auto-scaled 0.1 per 256, multistep x0.1 at 30, 60,
+    # 90, 100, update_interval epoch; num_epochs 105; SEED_VALUE 1.
+    o = c.optim
+    o.weight_decay = 1e-4
+    o.base_lr = 0.1
+    o.milestones = (30, 60, 90, 100)
+    o.gamma = 0.1
+    c.num_epochs = 105
+    c.seed = 1
+    o.param_groups = (("head", 1.0, 1e-6),)
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:

@@ -10,7 +10,7 @@ import pytest
 from test_launch import scalar_values
 from test_train import make_config, shared_dirs  # noqa: F401 (fixture)
 
-from configs import base, moco
+from configs import base, dino, moco, swav
 from jssl import methods, schedules
 from jssl.engines import train
 from jssl.methods import common
@@ -76,9 +76,65 @@ def test_bad_loss_settings_name_the_field(edit, message):
 
 def test_loss_terms_declares_weights_and_constant_ramps():
     config = base.get_base_config()
+    config.method.name = "vicreg"
     base.loss_terms(config, invariance=25, covariance=1)
-    assert dict(config.loss.weights) == {"invariance": 25.0, "covariance": 1.0}
+    # The term not given gets a field too: None, its default weight (1).
+    assert dict(config.loss.weights) == {"invariance": 25.0, "covariance": 1.0, "variance": None}
     assert config.loss.ramps.covariance.kind == "constant"
+
+
+def test_terms_of_a_config_are_one_mechanism_for_every_method():
+    # Static TERMS and terms(config) both come back as LossTerms; parts name their family.
+    assert methods.loss_terms(moco.get_config("test")) == (common.LossTerm("info_nce", "info_nce"),)
+    config = swav.get_config("test")
+    config.method.crops_for_assign = (1, 0, 2)
+    assert methods.loss_terms(config) == tuple(
+        common.LossTerm(f"swapped_prediction_crop{c}", "swapped_prediction", 1 / 3)
+        for c in (1, 0, 2)
+    )
+    # A part the config does not declare (crops changed after loss_terms) weighs its share.
+    weights = common.loss_weights(config, methods.loss_terms(config))(0)
+    np.testing.assert_allclose([float(weights[t]) for t in sorted(weights)], [1 / 3] * 3)
+    methods.check_config(config)
+
+
+def test_loss_terms_declares_placeholders_for_the_parts_of_a_family():
+    config = dino.get_config("test")
+    assert dict(config.loss.weights) == {
+        "cross_entropy": 1.0,
+        "cross_entropy_crop0": None,
+        "cross_entropy_crop1": None,
+    }
+    assert config.loss.ramps.cross_entropy_crop1.kind == "constant"
+    # Fewer teacher crops on the command line: the unset part's fields are left alone, a
+    # part set to a weight the method no longer has is refused.
+    config.method.teacher_crops = 1
+    config.data.augment.num_crops = (1, 3)
+    config.data.augment.crop_sizes = (16, 8)
+    config.data.augment.crop_scale = ((0.3, 1.0), (0.1, 0.3))
+    config.data.augment.blur_prob = (0.0,)
+    config.data.augment.solarize_prob = (0.0,)
+    methods.check_config(config)
+    config.loss.ramps.cross_entropy_crop1.kind = "linear"
+    with pytest.raises(ValueError, match=r"loss.ramps names \['cross_entropy_crop1'\]"):
+        methods.check_config(config)
+
+
+def test_family_weights_multiply_and_exact_defaults():
+    specs = common.crop_terms("ce", (0, 1))
+    config = ml_collections.ConfigDict({"loss": {"weights": {"ce": 1.0}, "ramps": {}}})
+    weights = common.loss_weights(config, specs)(0)
+    assert [float(weights[t.name]) for t in specs] == [0.5, 0.5]
+    terms = {"ce_crop0": jnp.array([1.0, 2.0]), "ce_crop1": jnp.array([3.0, 6.0])}
+    value, per_example, metrics = common.weighted_loss(terms, weights, specs)
+    np.testing.assert_array_equal(per_example, [2.0, 4.0])
+    assert float(metrics["loss/ce"]) == 3.0 and float(metrics["loss/ce_weighted"]) == 3.0
+    assert float(metrics["loss/ce_crop1_weighted"]) == 2.25
+    reported = common.reported_terms(terms, specs)
+    np.testing.assert_array_equal(reported["ce"], [2.0, 4.0])
+    assert set(reported) == {"ce", "ce_crop0", "ce_crop1"}
+    # A config saved before the split (only the family) or none at all: the shares.
+    assert float(common.loss_weights(ml_collections.ConfigDict(), specs)(0)["ce_crop1"]) == 0.5
 
 
 def test_ramped_weight_is_applied_logged_and_resumed_mid_ramp(tmp_path, shared_dirs):  # noqa: F811

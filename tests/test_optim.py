@@ -1,6 +1,7 @@
 """Learning-rate schedules, LR scaling, weight-decay masks, and VISSL's LARC and LARS.
 
-VISSL's composite schedules have their own file, tests/test_schedules.py."""
+VISSL's composite schedules have their own file, tests/test_schedules.py; parameter groups
+(per-prefix learning rates and weight decay) tests/test_param_groups.py."""
 
 import jax
 import jax.numpy as jnp
@@ -235,106 +236,3 @@ def test_several_steps_with_a_changing_rate_match_pytorch_order(kind, clip):
 def test_bad_trust_ratio_exclude_names_the_field():
     with pytest.raises(ValueError, match="optim.trust_ratio_exclude"):
         _step("larc", {"w": P}, {"w": G}, trust_ratio_exclude="bias")
-
-
-# --------------------------------------------------------------------------------------------
-# Parameter groups (optim.param_groups): learning rates per parameter-path prefix.
-
-
-def _model_params():
-    return {
-        "trunk": {"conv": {"kernel": jnp.ones(3)}, "layer4": {"kernel": jnp.ones(2)}},
-        "head": {
-            "fc0": {"kernel": jnp.ones(2), "bias": jnp.ones(2)},
-            "bn0": {"scale": jnp.ones(2)},
-        },
-    }
-
-
-def _grouped_updates(c, steps=3, schedule=lambda s: 0.1, global_batch=256):
-    params = _model_params()
-    tx = optim.build_grouped_optimizer(c, params, schedule, global_batch)
-    state = tx.init(params)
-    grads = jax.tree.map(jnp.ones_like, params)
-    out = []
-    for _ in range(steps):
-        updates, state = tx.update(grads, state, params)
-        out.append(jax.tree.map(np.asarray, updates))
-    return out
-
-
-def test_head_group_steps_ten_times_the_trunk():
-    # SGD with momentum and coupled decay: every update of the head is 10x the trunk's
-    # (PyTorch: the group's lr multiplies the momentum buffer), at every step.
-    c = _cfg(name="sgd", momentum=0.9, weight_decay=0.0, param_groups=(("head", 10.0),))
-    for updates in _grouped_updates(c):
-        trunk = updates["trunk"]["conv"]["kernel"]
-        np.testing.assert_allclose(updates["head"]["fc0"]["kernel"][0], 10 * trunk[0], rtol=1e-6)
-    # Step 3 of SGD at lr 0.1 with momentum 0.9 and g = 1: -0.1 * (1 + 0.9 + 0.81).
-    np.testing.assert_allclose(trunk, -0.1 * 2.71, rtol=1e-6)
-    # Without groups: the same trunk update, and the head's is the trunk's.
-    plain = _grouped_updates(_cfg(name="sgd", momentum=0.9, weight_decay=0.0))[-1]
-    np.testing.assert_allclose(plain["trunk"]["conv"]["kernel"], trunk, rtol=1e-6)
-    np.testing.assert_allclose(plain["head"]["fc0"]["kernel"], trunk[:2], rtol=1e-6)
-
-
-def test_groups_keep_the_weight_decay_mask():
-    # regularize_bn=False: the head's BN scale is not decayed inside the head group.
-    c = _cfg(
-        name="sgd",
-        momentum=0.0,
-        weight_decay=0.5,
-        regularize_bn=False,
-        param_groups=(("head", 2.0),),
-    )
-    updates = _grouped_updates(c, steps=1)[0]
-    np.testing.assert_allclose(updates["head"]["bn0"]["scale"], -0.2 * 1.0, rtol=1e-6)
-    np.testing.assert_allclose(updates["head"]["fc0"]["kernel"], -0.2 * 1.5, rtol=1e-6)
-    np.testing.assert_allclose(updates["trunk"]["conv"]["kernel"], -0.1 * 1.5, rtol=1e-6)
-
-
-def test_constant_group_skips_the_schedule_and_longest_prefix_wins():
-    # Warmup from 0: the scheduled groups do not move at step 0, the constant group moves at
-    # multiplier x peak (0.1 * 512 / 256 = 0.2) at every step; "trunk/layer4" beats "trunk".
-    c = _cfg(
-        name="sgd",
-        momentum=0.0,
-        weight_decay=0.0,
-        schedule="cosine",
-        base_lr=0.1,
-        warmup_epochs=1,
-        param_groups=(("trunk", 3.0), ("trunk/layer4", 0.5, "constant")),
-    )
-    schedule = optim.build_schedule(c, steps_per_epoch=2, num_epochs=3, global_batch=512)
-    updates = _grouped_updates(c, steps=3, schedule=schedule, global_batch=512)
-    for step, u in enumerate(updates):
-        np.testing.assert_allclose(u["trunk"]["layer4"]["kernel"], -0.5 * 0.2, rtol=1e-6)
-        lr = float(schedule(step))
-        np.testing.assert_allclose(u["trunk"]["conv"]["kernel"], -3 * lr, rtol=1e-6, atol=1e-9)
-        np.testing.assert_allclose(u["head"]["fc0"]["kernel"], -lr, rtol=1e-6, atol=1e-9)
-    assert float(schedule(0)) == 0.0 and float(schedule(2)) > 0.1
-
-
-def test_no_groups_is_the_plain_optimizer():
-    # Same state structure as before groups existed, so older checkpoints restore.
-    params = _model_params()
-    plain = optim.build_optimizer(_cfg(), params, lambda s: 0.1).init(params)
-    grouped = optim.build_grouped_optimizer(_cfg(), params, lambda s: 0.1, 256).init(params)
-    assert jax.tree.structure(plain) == jax.tree.structure(grouped)
-
-
-@pytest.mark.parametrize(
-    "groups, match",
-    [
-        ((("heads", 2.0),), "prefix 'heads' matches no parameter"),
-        ((("head", -1.0),), "multiplier >= 0"),
-        ((("head", 1.0, "fixed"),), "schedule one of"),
-        ((("head", 1.0), ("head", 2.0)), "names a prefix twice"),
-        (("head",), "optim.param_groups entry"),
-    ],
-)
-def test_bad_param_groups_name_the_field(groups, match):
-    with pytest.raises(ValueError, match=match):
-        optim.build_grouped_optimizer(
-            _cfg(param_groups=groups), _model_params(), lambda s: 0.1, 256
-        )

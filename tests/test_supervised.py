@@ -1,6 +1,8 @@
-"""Supervised training and fine-tuning: the loss and top-k hits by hand, exact test-phase
-accuracy with padding rows, presets, start-up checks, per-prefix learning rates in the real
-optimizer, a run end to end and a fine-tune from its checkpoint, 1 vs 4 devices."""
+"""Supervised training and fine-tuning: the loss (one output or several, VISSL's multiple-output
+cross-entropy) and top-k hits by hand, exact test-phase accuracy with padding rows, presets,
+start-up checks, per-prefix learning rates in the real optimizer, a run end to end and a
+fine-tune from its checkpoint, 1 vs 4 devices. Classifiers on trunk taps and the head's own
+weight decay: tests/test_supervised_heads.py."""
 
 import ast
 import logging
@@ -36,6 +38,30 @@ def test_cross_entropy_by_hand():
     np.testing.assert_allclose(
         losses.cross_entropy(logits, labels, 0.3), [1.2 * math.log(2), 1.9 * math.log(2)], rtol=1e-6
     )
+
+
+def test_multiple_outputs_by_hand():
+    # VISSL's criterion: each output against the same labels, logits / T (normalised first
+    # with normalize_output), label smoothing, the losses SUMMED over outputs.
+    labels = jnp.array([1, 0])
+    a = jnp.log(jnp.array([[1.0, 2.0, 1.0], [1.0, 2.0, 1.0]]))  # CE: ln 2, ln 4
+    b = jnp.array([[0.0, 0.0], [2 * math.log(3), 0.0]])  # at T=2: (1/2, 1/2), (3/4, 1/4)
+    loss, per_output = losses.multi_output_cross_entropy({"a": a, "b": b}, labels, temperature=2)
+    # a at T=2: probabilities prop. to sqrt(1, 2, 1): label 1 -> -ln(sqrt2 / (2 + sqrt2)).
+    want_a = [-math.log(math.sqrt(2) / (2 + math.sqrt(2))), -math.log(1 / (2 + math.sqrt(2)))]
+    np.testing.assert_allclose(per_output["a"], want_a, rtol=1e-6)
+    np.testing.assert_allclose(per_output["b"], [math.log(2), -math.log(3 / 4)], rtol=1e-6)
+    assert float(loss) == pytest.approx(np.mean(want_a) + (math.log(2) - math.log(0.75)) / 2)
+    # A list of outputs is named by position; smoothing 0.5 on b at T=1, K=2: targets
+    # (0.25, 0.75) and (0.75, 0.25).
+    _, listed = losses.multi_output_cross_entropy([b], labels, label_smoothing=0.5)
+    p1 = 1 / (1 + 9)  # row 1 at T=1: logits (2 ln 3, 0) -> (9/10, 1/10)
+    want = [math.log(2), -(0.75 * math.log(1 - p1) + 0.25 * math.log(p1))]
+    np.testing.assert_allclose(listed["0"], want, rtol=1e-6)
+    # normalize_output: rows scaled to unit norm first, so the scale of the logits is gone.
+    scaled = losses.cross_entropy(10.0 * b + 0.0, labels, normalize_output=True, temperature=0.5)
+    unit = jnp.array([[0.0, 0.0], [2.0, 0.0]])  # row 1 normalised (1, 0), / 0.5
+    np.testing.assert_allclose(scaled, losses.cross_entropy(unit, labels), rtol=1e-6)
 
 
 def test_top_k_hits_by_hand():

@@ -1,15 +1,22 @@
 """SwAV: its state updates in the real step (frozen then normalised prototypes, the queue
-filling and switching on), presets, start-up checks, and a run end to end. The loss and
-Sinkhorn are tested in test_losses*.py; 1 vs 4 devices in test_parallel.py."""
+filling and switching on), its loss terms per assignment crop (their sum is the single loss of
+before, a zero weight drops a crop's targets, each is logged and written), presets, start-up
+checks, and a run end to end. The loss and Sinkhorn are tested in test_losses*.py; 1 vs 4
+devices in test_parallel.py."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_launch import enable_compilation_cache, prepare_shared_dirs
+from jax.sharding import PartitionSpec as P
+from test_launch import enable_compilation_cache, prepare_shared_dirs, scalar_values
 
-from configs import swav
-from jssl import data, methods, optim, parallel
+from configs import base, swav
+from jssl import data, losses, methods, optim, parallel
 from jssl.engines import train
+from jssl.methods import common
+from jssl.methods.swav import Prototypes
+from jssl.parallel import DATA_AXIS
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +128,168 @@ def test_trains_end_to_end(tmp_path, shared_dirs):
     config.checkpoint.async_save = False
     config.test_every_epochs = 2
     config.data.test_split = "test[:40]"
+    config.log_every_steps = 4
     summary = train.run(config, str(tmp_path))
     assert summary["step"] == 8
-    losses = np.load(tmp_path / "eval" / "epoch_2" / "per_example_loss.npy")
-    assert losses.shape == (40,) and np.all(np.isfinite(losses)) and losses.mean() > 0
-    embeddings = np.load(tmp_path / "eval" / "epoch_2" / "embeddings.npy")
+    outputs = tmp_path / "eval" / "epoch_2"
+    per_example = np.load(outputs / "per_example_loss.npy")
+    assert per_example.shape == (40,) and np.all(np.isfinite(per_example))
+    assert per_example.mean() > 0
+    embeddings = np.load(outputs / "embeddings.npy")
     np.testing.assert_allclose(np.linalg.norm(embeddings, axis=1), 1.0, rtol=1e-4)
+    # Each assignment crop's term per example, and their mean (the loss at default weights).
+    crop0, crop1 = (np.load(outputs / f"term_swapped_prediction_crop{a}.npy") for a in (0, 1))
+    np.testing.assert_allclose(0.5 * crop0 + 0.5 * crop1, per_example, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.load(outputs / "term_swapped_prediction.npy"), per_example, rtol=1e-6
+    )
+    # The test phase feeds the centre crop as every crop: both crops' targets are the same.
+    np.testing.assert_allclose(crop0, crop1, rtol=1e-4)
+    logdir = tmp_path / "tensorboard"
+    for tag in (
+        "loss/swapped_prediction_crop0",
+        "loss/swapped_prediction_crop1_weighted",
+        "loss_weight/swapped_prediction_crop1",
+        "loss/swapped_prediction",
+        "test/loss/swapped_prediction_crop0",
+    ):
+        assert scalar_values(logdir, tag), tag
+    assert set(scalar_values(logdir, "loss_weight/swapped_prediction_crop0").values()) == {0.5}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss terms per assignment crop
+
+
+def _loss_and_grads(config, batch_seed: int = 0, reference: bool = False):
+    """The method's loss, gradients, metrics and per-example outputs in the real sharded
+    setting; with ``reference`` also the loss of before the split into terms (the mean over
+    prototype sets of ``losses.swav_loss``), from the same forward."""
+    mesh = parallel.make_mesh()
+    method = methods.get(config, steps_per_epoch=4)
+    tx, _ = train.make_optimizer(config, method, 4)
+    state = train.init_state(config, method, tx, mesh)
+    batch = data.synthetic_batch(config.data, 16, seed=batch_seed)
+    batch = parallel.host_batch_to_global(batch, mesh)
+    mcfg = config.method
+
+    def old_loss(params, batch):
+        count = common.num_crops(batch)
+        model_params = {k: v for k, v in params.items() if k != "prototypes"}
+        out, _ = common.forward_crops(
+            method.model, model_params, state.batch_stats, batch["crops"], True
+        )
+        z = losses.l2_normalize(out["head"].astype(jnp.float32))
+        scores = Prototypes(tuple(mcfg.num_prototypes)).apply({"params": params["prototypes"]}, z)
+        per_example = 0.0
+        for set_scores in scores:
+            per_example = (
+                per_example
+                + losses.swav_loss(
+                    common.split_crops(set_scores, count),
+                    crops_for_assign=tuple(mcfg.crops_for_assign),
+                    temperature=mcfg.temperature,
+                    epsilon=mcfg.epsilon,
+                    num_iters=mcfg.sinkhorn_iterations,
+                    axis_name=DATA_AXIS,
+                )[2]
+            )
+        return per_example / len(scores)
+
+    def per_replica(state, batch):
+        def loss_fn(params):
+            return method.loss(params, state, batch, state.rng, True)
+
+        (value, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        old = old_loss(state.params, batch) if reference else out.per_example_loss
+        mean = lambda tree: jax.lax.pmean(tree, DATA_AXIS)  # noqa: E731
+        return mean(value), mean(grads), mean(out.metrics), out.per_example_loss, out.terms, old
+
+    run = jax.jit(
+        jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(P(), P(DATA_AXIS)),
+            out_specs=(P(), P(), P(), P(DATA_AXIS), P(DATA_AXIS), P(DATA_AXIS)),
+            check_vma=False,
+        )
+    )
+    return run(state, batch)
+
+
+def _terms_config(num_prototypes=(8,)):
+    config = swav.get_config("test")
+    config.method.queue_length = 0
+    config.method.num_prototypes = num_prototypes
+    return config
+
+
+@pytest.mark.parametrize("num_prototypes", [(8,), (8, 6)])
+def test_crop_terms_sum_to_the_single_loss_of_before(num_prototypes):
+    config = _terms_config(num_prototypes)
+    assert [t.name for t in methods.loss_terms(config)] == [
+        "swapped_prediction_crop0",
+        "swapped_prediction_crop1",
+    ]
+    value, _, metrics, per_example, terms, old = _loss_and_grads(config, reference=True)
+    crop0, crop1 = terms["swapped_prediction_crop0"], terms["swapped_prediction_crop1"]
+    assert not np.allclose(crop0, crop1)  # two different targets
+    if len(num_prototypes) == 1:
+        # Two assignment crops at weight 1/2: the mean of before, bit for bit.
+        np.testing.assert_array_equal(per_example, old)
+    else:
+        np.testing.assert_allclose(per_example, old, rtol=1e-6)
+    np.testing.assert_allclose(per_example, 0.5 * crop0 + 0.5 * crop1, rtol=1e-6)
+    np.testing.assert_array_equal(terms["swapped_prediction"], per_example)
+    # Logged: each term unweighted and weighted, its weight, and the family's mean.
+    assert float(metrics["loss_weight/swapped_prediction_crop1"]) == 0.5
+    np.testing.assert_allclose(metrics["loss/swapped_prediction_crop0"], np.mean(crop0), 1e-5)
+    np.testing.assert_allclose(
+        metrics["loss/swapped_prediction_crop1_weighted"], 0.5 * np.mean(crop1), rtol=1e-5
+    )
+    np.testing.assert_allclose(metrics["loss/swapped_prediction"], value, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss/swapped_prediction_weighted"], value, rtol=1e-5)
+
+
+def test_a_zero_weight_removes_that_crops_targets_from_the_gradient():
+    default = _loss_and_grads(_terms_config())
+    config = _terms_config()
+    config.loss.weights.swapped_prediction_crop1 = 0.0
+    methods.check_config(config)
+    value, grads, metrics, per_example, terms, _ = _loss_and_grads(config)
+    np.testing.assert_allclose(per_example, 0.5 * terms["swapped_prediction_crop0"], rtol=1e-6)
+    assert float(metrics["loss_weight/swapped_prediction_crop1"]) == 0.0
+    # The same gradients as SwAV assigning from crop 0 alone (weight 1), halved.
+    only0 = _terms_config()
+    only0.method.crops_for_assign = (0,)
+    base.loss_terms(only0, swapped_prediction=1.0)
+    assert [t.name for t in methods.loss_terms(only0)] == ["swapped_prediction_crop0"]
+    ref_value, ref_grads = _loss_and_grads(only0)[:2]
+    np.testing.assert_allclose(value, 0.5 * ref_value, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, 0.5 * want, rtol=1e-4, atol=1e-7)
+    changed = [
+        not np.allclose(g, f, rtol=1e-3, atol=1e-6)
+        for g, f in zip(jax.tree.leaves(grads), jax.tree.leaves(default[1]), strict=True)
+    ]
+    assert sum(changed) > len(changed) // 2  # crop 1's targets moved most gradients
+
+
+def test_family_weight_scales_every_crop_and_a_crop_weight_replaces_its_share():
+    config = _terms_config()
+    config.loss.weights.swapped_prediction = 2.0
+    config.loss.weights.swapped_prediction_crop0 = 0.25
+    weights = common.loss_weights(config, methods.loss_terms(config))(jnp.asarray(0))
+    assert {k: float(v) for k, v in weights.items()} == {
+        "swapped_prediction_crop0": 0.5,
+        "swapped_prediction_crop1": 1.0,
+    }
+    # A ramp of the family moves every crop's weight; a crop's own ramp only its own.
+    ramp = config.loss.ramps.swapped_prediction
+    ramp.kind, ramp.initial, ramp.begin, ramp.end, ramp.unit = "linear", 0.0, 0.0, 4.0, "steps"
+    crop1 = config.loss.ramps.swapped_prediction_crop1
+    crop1.kind, crop1.initial, crop1.begin, crop1.end, crop1.unit = "linear", 0.0, 2.0, 2.0, "steps"
+    weights_at = common.loss_weights(config, methods.loss_terms(config))
+    got = [{k: float(v) for k, v in weights_at(jnp.asarray(s)).items()} for s in (0, 1, 2, 4)]
+    assert [g["swapped_prediction_crop0"] for g in got] == [0.0, 0.125, 0.25, 0.5]
+    assert [g["swapped_prediction_crop1"] for g in got] == [0.0, 0.0, 0.5, 1.0]

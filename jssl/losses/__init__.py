@@ -20,11 +20,12 @@ from jssl.losses.distillation import (
     byol_loss,
     dino_batch_center,
     dino_cross_entropy,
+    dino_teacher_crop_losses,
     dino_update_center,
     simsiam_loss,
 )
-from jssl.losses.supervised import cross_entropy, top_k_hits
-from jssl.losses.swav import sinkhorn_knopp, swav_loss
+from jssl.losses.supervised import cross_entropy, multi_output_cross_entropy, top_k_hits
+from jssl.losses.swav import sinkhorn_knopp, swav_crop_losses, swav_loss
 
 __all__ = [
     "barlow_twins_terms",
@@ -32,14 +33,17 @@ __all__ = [
     "cross_entropy",
     "dino_batch_center",
     "dino_cross_entropy",
+    "dino_teacher_crop_losses",
     "dino_update_center",
     "info_nce_with_queue",
     "l2_normalize",
     "mocov3_info_nce",
+    "multi_output_cross_entropy",
     "multicrop_simclr_info_nce",
     "simclr_info_nce",
     "simsiam_loss",
     "sinkhorn_knopp",
+    "swav_crop_losses",
     "swav_loss",
     "top_k_hits",
     "vicreg_terms",

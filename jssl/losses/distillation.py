@@ -98,6 +98,39 @@ def dino_cross_entropy(
     ``teacher_mean_entropy``, the entropy of their mean over the global batch (log K when the
     teacher is uniform, near 0 when every image goes to one dimension); ``student_entropy``.
     """
+    cross, different, metrics = _dino_pairs(
+        student_logits, teacher_logits, center, student_temp, teacher_temp, axis_name
+    )
+    pairs = int(different.sum())  # T * (C - 1)
+    per_example = jnp.sum(jnp.where(different[..., None], cross, 0.0), axis=(0, 1)) / pairs
+    return jnp.mean(per_example), metrics, per_example
+
+
+def dino_teacher_crop_losses(
+    student_logits: jax.Array,
+    teacher_logits: jax.Array,
+    center: jax.Array,
+    student_temp: float | jax.Array,
+    teacher_temp: float | jax.Array,
+    axis_name: str | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """DINO's loss per teacher crop: ``((T, n) losses, metrics)``.
+
+    Row t is the cross-entropy ``H(P_t, P_s)`` of teacher crop t's distribution against the
+    student's of every other crop, averaged over those C - 1 student crops (VISSL
+    dino_loss.py's inner loop for one ``iq``); :func:`dino_cross_entropy` is the mean of the
+    rows. Arguments and metrics are :func:`dino_cross_entropy`'s.
+    """
+    cross, different, metrics = _dino_pairs(
+        student_logits, teacher_logits, center, student_temp, teacher_temp, axis_name
+    )
+    per_teacher = jnp.sum(jnp.where(different[..., None], cross, 0.0), axis=1)
+    return per_teacher / different.sum(axis=1)[:, None], metrics
+
+
+def _dino_pairs(student_logits, teacher_logits, center, student_temp, teacher_temp, axis_name):
+    """``cross[t, v, i] = H(P_t, P_s)`` of teacher crop t and student crop v for image i, the
+    (T, C) mask of the pairs of different crops, and the collapse metrics."""
     student_logits = jnp.asarray(student_logits, jnp.float32)
     teacher_logits = jnp.asarray(teacher_logits, jnp.float32)
     num_student, num_teacher = student_logits.shape[0], teacher_logits.shape[0]
@@ -112,13 +145,10 @@ def dino_cross_entropy(
         jax.nn.softmax((teacher_logits - center) / teacher_temp, axis=-1)
     )
     student_log_probs = jax.nn.log_softmax(student_logits / student_temp, axis=-1)
-    # cross[t, v, i] = H(P_t of crop t, P_s of crop v) for image i.
     cross = -jnp.einsum(
         "tik,vik->tvi", teacher_probs, student_log_probs, precision=jax.lax.Precision.HIGHEST
     )
     different = np.arange(num_teacher)[:, None] != np.arange(num_student)[None, :]
-    pairs = int(different.sum())  # T * (C - 1)
-    per_example = jnp.sum(jnp.where(different[..., None], cross, 0.0), axis=(0, 1)) / pairs
 
     def entropy(log_p):
         return -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
@@ -133,7 +163,7 @@ def dino_cross_entropy(
         "teacher_mean_entropy": entropy(jnp.log(jnp.maximum(mean_probs, 1e-30))),
         "student_entropy": jnp.mean(entropy(student_log_probs)),
     }
-    return jnp.mean(per_example), metrics, per_example
+    return cross, different, metrics
 
 
 def dino_batch_center(teacher_logits: jax.Array, axis_name: str | None = None) -> jax.Array:

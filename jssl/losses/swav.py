@@ -97,15 +97,53 @@ def swav_loss(
     use_double_precision: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array]:
     """SwAV's swapped-prediction loss for one prototype set (Caron et al. 2020, Eq. 1-3 and
-    Alg. 1; VISSL vissl/losses/swav_loss.py ``SwAVCriterion.forward``).
+    Alg. 1; VISSL vissl/losses/swav_loss.py ``SwAVCriterion.forward``): the mean over the
+    assignment crops of :func:`swav_crop_losses` (VISSL: ``total_loss /= n_term_loss``), so the
+    loss scale does not grow with the number of crops. With several prototype sets, VISSL's
+    ``SwAVLoss.forward`` averages this over the sets; the method does that.
+
+    Returns the mean loss over local images (the train step's pmean makes it the global mean;
+    the codes, the only cross-device part, carry no gradient), the diagnostics of
+    :func:`swav_crop_losses`, and the (B,) per-image losses whose mean is the loss. The
+    arguments are :func:`swav_crop_losses`'.
+    """
+    per_crop, metrics = swav_crop_losses(
+        scores,
+        crops_for_assign,
+        temperature,
+        epsilon,
+        num_iters,
+        queue_scores,
+        use_queue,
+        axis_name,
+        hard_assignment,
+        use_double_precision,
+    )
+    per_example = (jnp.sum(per_crop, axis=0) / per_crop.shape[0]).astype(jnp.float32)
+    return jnp.mean(per_example), metrics, per_example
+
+
+def swav_crop_losses(
+    scores: Sequence[jax.Array] | jax.Array,
+    crops_for_assign: Sequence[int] = (0, 1),
+    temperature: float = 0.1,
+    epsilon: float = 0.05,
+    num_iters: int = 3,
+    queue_scores: jax.Array | None = None,
+    use_queue: bool | jax.Array = True,
+    axis_name: str | None = None,
+    hard_assignment: bool | jax.Array = False,
+    use_double_precision: bool = False,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """SwAV's swapped-prediction loss of each assignment crop, for one prototype set (Caron et
+    al. 2020, Eq. 1-3 and Alg. 1; VISSL vissl/losses/swav_loss.py ``SwAVCriterion.forward``,
+    its ``loss`` of one ``crop_id`` before ``total_loss /= n_term_loss``).
 
     For each crop ``a`` in ``crops_for_assign`` the codes ``q_a = sinkhorn_knopp(scores_a)``
     (no gradient) are predicted from every other crop ``v`` by
-    ``-mean_b sum_k q_a log softmax(scores_v / T)``; the terms are averaged over the C - 1
-    predicting crops and then over the assignment crops (VISSL: ``loss /= len(idx_crop_pred)``,
-    ``total_loss /= n_term_loss``), so the loss scale does not grow with the number of crops.
-    With several prototype sets, VISSL's ``SwAVLoss.forward`` averages this over the sets;
-    the method does that.
+    ``-sum_k q_a log softmax(scores_v / T)`` per image, averaged over the C - 1 predicting
+    crops (VISSL: ``loss /= len(idx_crop_pred)``). :func:`swav_loss` is their mean over the
+    assignment crops; the SwAV method weighs each as its own loss term.
 
     The queue (SwAV's small-batch option, VISSL ``local_queue*``): ``queue_scores[i]`` are the
     scores of this replica's queued embeddings of assignment crop ``crops_for_assign[i]``
@@ -128,10 +166,9 @@ def swav_loss(
       axis_name: the mesh axis for per-replica use inside ``jax.shard_map``, or None.
 
     Returns:
-      The mean loss over local images (the train step's pmean makes it the global mean; the
-      codes, the only cross-device part, carry no gradient), diagnostics (``code_entropy``:
-      mean entropy of the codes, ``swapped_acc``: how often a crop's predicted prototype is the
-      target's), and the (B,) per-image losses whose mean is the loss.
+      The (len(crops_for_assign), B) per-image losses of each assignment crop (float64 with
+      ``use_double_precision``, else float32), and diagnostics (``code_entropy``: mean entropy
+      of the codes, ``swapped_acc``: how often a crop's predicted prototype is the target's).
     """
     scores = _stack_crops(scores, "scores")
     num_crops, batch, num_prototypes = scores.shape
@@ -161,8 +198,7 @@ def swav_loss(
     dtype = _precision(use_double_precision)
     # VISSL computes the log-softmax in float64 too when use_double_precision is set.
     log_prob = jax.nn.log_softmax(scores.astype(dtype) / jnp.asarray(temperature, dtype), -1)
-    per_example = jnp.zeros((batch,), dtype)
-    entropy, agree = [], []
+    per_crop, entropy, agree = [], [], []
     for i, crop in enumerate(crops_for_assign):
         crop_scores, mask = scores[crop], None
         if queue_scores is not None:
@@ -183,16 +219,15 @@ def swav_loss(
         codes = jax.lax.stop_gradient(codes)
         others = jnp.array([v for v in range(num_crops) if v != crop])
         cross_entropy = -jnp.sum(codes.astype(dtype)[None] * log_prob[others], axis=-1)
-        per_example = per_example + jnp.mean(cross_entropy, axis=0)
+        per_crop.append(jnp.mean(cross_entropy, axis=0))
         entropy.append(-jnp.sum(jnp.where(codes > 0, codes * jnp.log(codes), 0.0), axis=-1))
         target = jnp.argmax(codes, axis=-1)
         agree.append(jnp.argmax(scores[others], axis=-1) == target[None])
-    per_example = (per_example / len(crops_for_assign)).astype(jnp.float32)
     metrics = {
         "code_entropy": jnp.mean(jnp.stack(entropy)),
         "swapped_acc": jnp.mean(jnp.stack(agree).astype(jnp.float32)),
     }
-    return jnp.mean(per_example), metrics, per_example
+    return jnp.stack(per_crop), metrics
 
 
 def _sample_logsumexp(log_q: jax.Array, valid: jax.Array) -> jax.Array:

@@ -22,12 +22,19 @@ test phase every crop is the centre-cropped eval image, resized to its group's s
 that needs an epoch length (SwAV's queue start) gets ``steps_per_epoch`` from the trainer; one
 that freezes parameters for a while names them in ``Method.frozen_params``.
 
-Loss terms. A method's module names its loss terms in ``TERMS``; its loss returns them
-unweighted per example (``LossOutput.terms``) and combines them with ``common.weighted_loss``
-under the weights of ``common.loss_weights``: ``config.loss.weights.<term>`` (on the command
-line ``--config.loss.weights.<term>``) and an optional ramp ``config.loss.ramps.<term>``
-(constant, linear or cosine between two values over a range of epochs or steps), declared by
-the method's config with ``base.loss_terms``.
+Loss terms. A method's module names its loss terms in ``TERMS``, or, where they depend on the
+config, returns them from ``terms(config)`` as ``common.LossTerm``s (SwAV's and DINO's terms
+per crop, the supervised method's per output); :func:`loss_terms` gives either form as
+``LossTerm``s, and the start-up checks and ``configs/base.py`` ``loss_terms`` read it. The loss
+returns the terms unweighted per example (``LossOutput.terms``) and combines them with
+``common.weighted_loss`` under the weights of ``common.loss_weights``:
+``config.loss.weights.<term>`` (on the command line ``--config.loss.weights.<term>``) and an
+optional ramp ``config.loss.ramps.<term>`` (constant, linear or cosine between two values over a
+range of epochs or steps), declared by the method's config with ``base.loss_terms``. A term
+split per crop is a family of parts (``swapped_prediction_crop0``, ``swapped_prediction_crop1``):
+each part weighs its share of the family's mean unless its own weight is set, and the family's
+weight (``loss.weights.swapped_prediction``) multiplies them all, so the default total is the
+single term it replaced.
 """
 
 from __future__ import annotations
@@ -67,7 +74,10 @@ class LossOutput(NamedTuple):
       rows only.
     terms: the unweighted loss terms, ``{name: (n,)}`` per local example (a batch-level term
       broadcast to every row); ``per_example_loss`` is their weighted sum
-      (``common.weighted_loss``). The test phase averages each over the split and writes it.
+      (``common.weighted_loss``). Terms split per crop also bring their family's mean at the
+      parts' shares under the family's name (``common.reported_terms``: the single term of
+      before, reported, not weighted again). The test phase averages each over the split and
+      writes it.
     per_example_metrics: ``{name: (n,)}`` per local example (a classifier's top-1 hits, in %):
       the test phase reports their mean over the real rows of the split, exactly, in place of
       the batch mean of the same name in ``metrics`` (which the train logs keep).
@@ -115,7 +125,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     from jssl.methods import common
 
     module = _module(config)
-    common.check_loss_config(config, module.TERMS)
+    common.check_loss_config(config, loss_terms(config))
     rate = config.model.get("drop_path_rate", 0.0)
     if str(config.model.trunk).startswith("vit") and rate and config.method.name != "dino":
         # A ViT's DropPath draws from a "dropout" rng that only DINO's student forward passes
@@ -127,6 +137,17 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         )
     if hasattr(module, "check_config"):
         module.check_config(config)
+
+
+def loss_terms(config: ml_collections.ConfigDict) -> tuple[Any, ...]:
+    """The method's loss terms under ``config`` as ``common.LossTerm``s: its module's
+    ``terms(config)`` where it defines one, else its static ``TERMS``."""
+    from jssl.methods import common
+
+    module = _module(config)
+    if hasattr(module, "terms"):
+        return common.as_loss_terms(module.terms(config))
+    return common.as_loss_terms(module.TERMS)
 
 
 def get(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:

@@ -15,7 +15,7 @@ All of it runs per replica inside the step's ``shard_map`` over ``DATA_AXIS``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,38 +106,101 @@ def split_crops(x: jax.Array, count: int) -> jax.Array:
     return x.reshape(count, -1, *x.shape[1:])
 
 
+class LossTerm(NamedTuple):
+    """One named loss term of a method.
+
+    name: the term, as logged (``loss/<name>``), written (``term_<name>.npy``) and weighted
+      (``config.loss.weights.<name>``).
+    family: the term it is a part of: itself for a term of its own; for a term split per crop
+      (SwAV's ``swapped_prediction_crop0``, DINO's ``cross_entropy_crop1``), the name of the
+      single term it was split from, whose weight and ramp (``loss.weights.<family>``) scale
+      every part.
+    share: the part's weight when the config does not set it: its share of the family's mean
+      (1 / number of parts), so the default total is the mean the single term was.
+    """
+
+    name: str
+    family: str
+    share: float = 1.0
+
+
+def as_loss_terms(terms: Sequence[str | LossTerm]) -> tuple[LossTerm, ...]:
+    """``LossTerm``s from a method's ``TERMS`` (names of terms of their own) or its
+    ``terms(config)``."""
+    return tuple(t if isinstance(t, LossTerm) else LossTerm(t, t) for t in terms)
+
+
+def crop_terms(family: str, crops: Sequence[int]) -> tuple[LossTerm, ...]:
+    """The parts of ``family`` per crop: ``<family>_crop<c>`` for each crop number ``c``,
+    each with the share ``1 / len(crops)``."""
+    crops = tuple(int(c) for c in crops)
+    return tuple(LossTerm(f"{family}_crop{c}", family, 1.0 / len(crops)) for c in crops)
+
+
+def _ramped(
+    name: str, final: float, ramps: Any, steps_per_epoch: int | None
+) -> Callable[[jax.Array], jax.Array]:
+    """``loss.ramps.<name>`` moving to ``final`` (constant where none is set)."""
+    spec = ramps.get(name)
+    if spec is None or spec.kind == "constant" or (spec.unit == "epochs" and not steps_per_epoch):
+        # Without an epoch length (evaluation engines) an epoch ramp reads as finished.
+        return schedules_lib.ramp("constant", final, final, 0, 0)
+    scale = steps_per_epoch if spec.unit == "epochs" else 1
+    return schedules_lib.ramp(
+        spec.kind,
+        float(spec.initial),
+        final,
+        int(round(spec.begin * scale)),
+        int(round(spec.end * scale)),
+    )
+
+
+def _is_constant(name: str, ramps: Any) -> bool:
+    spec = ramps.get(name)
+    return spec is None or spec.kind == "constant"
+
+
 def loss_weights(
-    config: Any, terms: Sequence[str], steps_per_epoch: int | None = None
+    config: Any, terms: Sequence[str | LossTerm], steps_per_epoch: int | None = None
 ) -> Callable[[jax.Array], dict[str, jax.Array]]:
     """``step -> {term: weight}`` from ``config.loss.weights`` and ``config.loss.ramps``.
 
-    A term the config does not name weighs 1 (a workdir's config saved before the term
-    existed). A ramp moves the weight from ``ramps.<term>.initial`` at ``begin`` to
-    ``weights.<term>`` at ``end`` (``unit`` epochs or steps); because it is a function of the
-    optimizer step, a resumed run picks it up mid-ramp at the right value. Evaluation engines
-    pass no epoch length: an epoch-unit ramp then reads as finished (its final weight).
+    ``terms``: a method's ``TERMS`` or ``terms(config)`` (:class:`LossTerm`). A term's weight is
+    ``loss.weights.<term>``; where that is unset (absent, as in a workdir's config saved before
+    the term existed, or None) it is the term's ``share`` (1 for a term of its own). A part of
+    a family (a term split per crop) is further multiplied by the family's weight,
+    ``loss.weights.<family>`` (1 where unset), so that field weighs the family's mean as it
+    weighed the single term, and ``loss.weights.<family>_crop<c>`` replaces one part's share.
+
+    A ramp moves a weight from ``ramps.<name>.initial`` at ``begin`` to ``weights.<name>`` at
+    ``end`` (``unit`` epochs or steps); because it is a function of the optimizer step, a
+    resumed run picks it up mid-ramp at the right value. A family's ramp moves the family's
+    factor, a part's its own. Evaluation engines pass no epoch length: an epoch-unit ramp then
+    reads as finished (its final weight).
     """
     loss_config = config.get("loss")
     weights = loss_config.get("weights", {}) if loss_config is not None else {}
     ramps = loss_config.get("ramps", {}) if loss_config is not None else {}
+
+    def final(name: str, default: float) -> float:
+        value = weights.get(name)
+        return default if value is None else float(value)
+
     schedules = {}
-    for term in terms:
-        final = float(weights.get(term, 1.0))
-        spec = ramps.get(term)
-        if spec is None or spec.kind == "constant":
-            schedules[term] = schedules_lib.ramp("constant", final, final, 0, 0)
+    for term in as_loss_terms(terms):
+        own = _ramped(term.name, final(term.name, term.share), ramps, steps_per_epoch)
+        if term.family == term.name:
+            schedules[term.name] = own
             continue
-        if spec.unit == "epochs" and not steps_per_epoch:
-            schedules[term] = schedules_lib.ramp("constant", final, final, 0, 0)
+        family_weight = final(term.family, 1.0)
+        if _is_constant(term.name, ramps) and _is_constant(term.family, ramps):
+            # One float32 constant: family 1 x share 1/2 is exactly 1/2, so the default total
+            # is the single term's mean bit for bit where the parts' mean is exact.
+            value = family_weight * final(term.name, term.share)
+            schedules[term.name] = schedules_lib.ramp("constant", value, value, 0, 0)
             continue
-        scale = steps_per_epoch if spec.unit == "epochs" else 1
-        schedules[term] = schedules_lib.ramp(
-            spec.kind,
-            float(spec.initial),
-            final,
-            int(round(spec.begin * scale)),
-            int(round(spec.end * scale)),
-        )
+        family = _ramped(term.family, family_weight, ramps, steps_per_epoch)
+        schedules[term.name] = lambda step, own=own, family=family: family(step) * own(step)
 
     def weights_at(step: jax.Array) -> dict[str, jax.Array]:
         return {term: schedule(step) for term, schedule in schedules.items()}
@@ -146,13 +209,18 @@ def loss_weights(
 
 
 def weighted_loss(
-    terms: dict[str, jax.Array], weights: dict[str, jax.Array]
+    terms: dict[str, jax.Array],
+    weights: dict[str, jax.Array],
+    specs: Sequence[str | LossTerm] = (),
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """``(loss, per_example, metrics)`` from unweighted per-example terms (each (n,)).
 
     ``per_example = sum_t weights[t] * terms[t]`` and ``loss`` its mean over the local rows;
     ``metrics`` logs every term unweighted (``loss/<t>``) and weighted
-    (``loss/<t>_weighted``) and its weight (``loss_weight/<t>``).
+    (``loss/<t>_weighted``) and its weight (``loss_weight/<t>``). With ``specs`` naming
+    families of parts, each family is logged too: ``loss/<family>``, the parts' mean at their
+    shares (the single term's value before the split), and ``loss/<family>_weighted``, the
+    family's part of the loss.
     """
     per_example, metrics = 0.0, {}
     for name, term in terms.items():
@@ -163,20 +231,65 @@ def weighted_loss(
         metrics[f"loss/{name}"] = mean
         metrics[f"loss/{name}_weighted"] = weight * mean
         metrics[f"loss_weight/{name}"] = weight
+    for family, parts in _families(specs).items():
+        metrics[f"loss/{family}"] = jnp.mean(family_term(terms, parts))
+        metrics[f"loss/{family}_weighted"] = sum(
+            metrics[f"loss/{part.name}_weighted"] for part in parts
+        )
     return jnp.mean(per_example), per_example, metrics
 
 
-def check_loss_config(config: Any, terms: Sequence[str]) -> None:
-    """Start-up checks of ``config.loss`` against the method's term names."""
+def _families(specs: Sequence[str | LossTerm]) -> dict[str, list[LossTerm]]:
+    families: dict[str, list[LossTerm]] = {}
+    for term in as_loss_terms(specs):
+        if term.family != term.name:
+            families.setdefault(term.family, []).append(term)
+    return families
+
+
+def family_term(terms: dict[str, jax.Array], parts: Sequence[LossTerm]) -> jax.Array:
+    """The parts' mean at their shares, per example: the single term before the split."""
+    return sum(part.share * terms[part.name].astype(jnp.float32) for part in parts)
+
+
+def reported_terms(
+    terms: dict[str, jax.Array], specs: Sequence[str | LossTerm]
+) -> dict[str, jax.Array]:
+    """``terms`` plus each family's :func:`family_term` under the family's name: what a method
+    hands the test phase as ``LossOutput.terms`` (written as ``term_<name>.npy``), so the
+    per-example outputs keep the single term next to its parts. Reported, never weighted."""
+    return {**terms, **{f: family_term(terms, p) for f, p in _families(specs).items()}}
+
+
+def check_loss_config(config: Any, terms: Sequence[str | LossTerm]) -> None:
+    """Start-up checks of ``config.loss`` against the method's terms (``TERMS`` or
+    ``terms(config)``): every weight or ramp must name a term or a family of parts. A config
+    declares the parts of the crops it was written for (``configs/base.py`` ``loss_terms``);
+    after a command-line change of the crops, a part's field that is still unset (weight None,
+    constant ramp) is left alone, a set one is refused."""
     loss_config = config.get("loss")
     if loss_config is None:
         return
+    specs = as_loss_terms(terms)
+    known = {t.name for t in specs} | {t.family for t in specs}
+    names = [t.name for t in specs]
+    weights, ramps = loss_config.get("weights", {}), loss_config.get("ramps", {})
+    unset = {
+        "weights": lambda name: weights.get(name) is None,
+        "ramps": lambda name: ramps[name].get("kind") == "constant",
+    }
     for field in ("weights", "ramps"):
-        unknown = sorted(set(loss_config.get(field, {}).keys()) - set(terms))
+        unknown = sorted(
+            name
+            for name in loss_config.get(field, {}).keys()
+            if name not in known and not unset[field](name)
+        )
         if unknown:
             raise ValueError(
                 f"loss.{field} names {unknown}, which method.name={config.method.name!r} does "
-                f"not have; its loss terms are {list(terms)}."
+                f"not have with this config; its loss terms are {names}"
+                + (f" (parts of {sorted(known - set(names))})" if known - set(names) else "")
+                + "."
             )
     for term, spec in loss_config.get("ramps", {}).items():
         where = f"loss.ramps.{term}"

@@ -8,9 +8,29 @@ Per step: the student (trunk + ``DINOHead``) runs on every crop (crop groups, e.
 8x96; one trunk pass per resolution, the head on all crops); the teacher, an EMA of the
 student with the same architecture, runs on the first ``method.teacher_crops`` crops only
 (the global crops, VISSL ``crops_for_teacher: [0, 1]``), without gradient. The loss
-(``jssl.losses.dino_cross_entropy``) is the cross-entropy between the teacher's centred,
+(``jssl.losses.dino_teacher_crop_losses``) is the cross-entropy between the teacher's centred,
 sharpened distribution and the student's, averaged over every (teacher crop, student crop)
-pair of different crops. After the optimizer step: the teacher's parameters move towards
+pair of different crops.
+
+Loss terms (``terms``): one per teacher crop, ``cross_entropy_crop<t>``, the cross-entropy of
+teacher crop t's distribution against the student's of every other crop (VISSL dino_loss.py's
+inner loop for one teacher crop), each weighing 1 / teacher_crops by default, so their sum is
+the mean over all pairs (``loss.weights.cross_entropy`` scales them all; TensorBoard and the
+test phase keep ``cross_entropy``, that mean). Split per teacher crop rather than per student
+crop because (1) the teacher crop is the target, as SwAV's assignment crop is, so both
+multi-crop methods weigh "which view's target drives learning" the same way, and VISSL's and
+DINO's loops run over teacher crops outermost; (2) the global crops differ (blur 1.0 vs 0.1,
+solarisation only on the second: ``num_crops=(1, 1, N)``), so weighing the target from the
+clean or from the solarised view is a real choice, while weighing one local crop against
+another is not (they are exchangeable); (3) their number, ``method.teacher_crops``, is known
+when the config is written, so each term gets its own ``--config.loss.weights.<term>`` field,
+while the student crops change with every ``data.augment.num_crops``. Weighing local crops
+against global ones (per student crop) is not offered. The default total (two teacher crops at
+1/2 each) equals the single mean over all pairs to float32 rounding, not bit for bit: each
+teacher crop's sum is divided by C - 1 before the two are added (measured: at most 2.2e-7
+relative per example, 4 to 12 crops).
+
+After the optimizer step: the teacher's parameters move towards
 the student's with a momentum that rises from ``teacher_momentum`` to 1 on a cosine over
 the run (``common.cosine_momentum``, VISSL ``update_momentum_network``), and the centre, the
 EMA (``center_momentum``) of the teacher's mean output over the GLOBAL batch, is updated.
@@ -57,8 +77,15 @@ from jssl.methods import LossOutput, Method, common
 from jssl.models.heads import DINOHead
 from jssl.parallel import DATA_AXIS
 
-TERMS = ("cross_entropy",)
 LAST_LAYER = "head/last_layer"
+
+
+def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
+    """One term per teacher crop: ``cross_entropy_crop<t>`` for t < ``method.teacher_crops``,
+    the student's cross-entropy against teacher crop t's distribution over the other crops,
+    each weighing 1 / teacher_crops by default (their sum is DINO's mean over all pairs);
+    ``loss.weights.cross_entropy`` scales them all. Why per teacher crop: see the module."""
+    return common.crop_terms("cross_entropy", range(int(config.method.teacher_crops)))
 
 
 def teacher_temperature(
@@ -96,7 +123,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     total_steps = spe * config.num_epochs
     warmup_steps = int(round(mcfg.warmup_teacher_temp_epochs * spe))
     freeze_steps = int(round(mcfg.freeze_last_layer_epochs * spe))
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+    term_specs = terms(config)
+    weights_at = common.loss_weights(config, term_specs, steps_per_epoch)
 
     def teacher_temp_at(step):
         return teacher_temperature(step, mcfg.warmup_teacher_temp, mcfg.teacher_temp, warmup_steps)
@@ -145,7 +173,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             common.split_crops(teacher_out["head"].astype(jnp.float32), teacher_crops)
         )
         temperature = teacher_temp_at(state.step)
-        _, metrics, cross_entropy = losses.dino_cross_entropy(
+        per_teacher, metrics = losses.dino_teacher_crop_losses(
             student,
             teacher,
             state.method_state["center"],
@@ -153,8 +181,10 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             temperature,
             axis_name=DATA_AXIS,
         )
-        terms = {"cross_entropy": cross_entropy}
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+        crop_terms = {term.name: per_teacher[t] for t, term in enumerate(term_specs)}
+        value, per_example, term_metrics = common.weighted_loss(
+            crop_terms, weights_at(state.step), term_specs
+        )
         metrics = dict(
             metrics,
             teacher_temp=temperature,
@@ -172,7 +202,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             features=out["avgpool"][:n],
             # No per-example embeddings: the head's output is out_dim (65536) wide.
             per_example_loss=per_example,
-            terms=terms,
+            terms=common.reported_terms(crop_terms, term_specs),
         )
 
     def after_update(state, carry):

@@ -11,10 +11,21 @@ vissl/losses/cross_entropy_multiple_output_single_target.py and the ``accuracy_l
 Per step: one augmented crop of each image through the trunk and the head, whose output is the
 class logits (VISSL's head ``["mlp", {"dims": [2048, 1000]}]``: ``model.head_dims=(2048,
 1000)``, one linear layer), and the cross-entropy of the labels, optionally label-smoothed
-(``method.label_smoothing``: targets ``(1 - s) one_hot + s / K``). The loss term is
-``cross_entropy``. Top-1 and top-5 accuracy (%) are logged per training batch and, in the test
-phase, counted per example over the real rows of the whole test split (``test/top1``,
-``test/top5``), as VISSL's meters count the test set. No momentum encoder, no state to update.
+(``method.label_smoothing``: targets ``(1 - s) one_hot + s / K``), with the logits divided by
+``method.temperature`` (and L2-normalised first with ``method.normalize_output``), as VISSL's
+criterion has them. The loss term is ``cross_entropy``. Top-1 and top-5 accuracy (%) are logged
+per training batch and, in the test phase, counted per example over the real rows of the whole
+test split (``test/top1``, ``test/top5``), as VISSL's meters count the test set. No momentum
+encoder, no state to update.
+
+Several outputs (VISSL's multiple-output loss, a list of heads against the same target):
+``method.tap_classifiers`` names trunk taps (``('res4', 'res5')`` on a ResNet, ``('block11',)``
+on a ViT), each with its own linear classifier (``params["tap_classifiers"][tap]``; a spatial
+tap is averaged over its positions first). Every output is its own term, ``cross_entropy`` for
+the head and ``cross_entropy_<tap>`` for the others, and the loss is their sum (VISSL sums, weight
+1 each; ``--config.loss.weights.cross_entropy_res4=0.3`` weighs one down, its gradient reaching
+the trunk through that tap). Each output reports its own top-1 / top-5 (``top1_<tap>``), in the
+test phase too.
 
 Deliberate differences from VISSL:
 - No ``ignore_index``: every training row has a label (the data pipeline drops the last
@@ -24,54 +35,118 @@ Deliberate differences from VISSL:
 - Colour jitter: VISSL's supervised recipe jitters brightness, contrast, saturation and hue
   by 0.4; jssl's jitter ties them as (0.8s, 0.8s, 0.8s, 0.2s), so the recipe's strength 0.5
   gives 0.4 for the first three and hue 0.1.
-- One output and one target: VISSL's criterion also sums the losses of several heads
-  (``multiple_output``), which no jssl recipe uses.
+- Extra outputs are linear classifiers on trunk taps built by the method; VISSL takes whatever
+  list of heads ``MODEL.HEAD.PARAMS`` builds (its ``EnsembleOutput`` is not offered).
+- A weight field per output exists where the config declared it (``base.loss_terms`` after
+  ``method.tap_classifiers``); taps added on the command line weigh 1, as in VISSL.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
 from jssl.methods import LossOutput, Method, common
+from jssl.models.resnet import torch_linear_bias_init, torch_linear_kernel_init
 from jssl.parallel import DATA_AXIS
 
-TERMS = ("cross_entropy",)
 TOP_K = (1, 5)  # VISSL accuracy_list_meter topk_values
+CLASSIFIERS = "tap_classifiers"  # their parameters: params["tap_classifiers"]["<tap>"]
+
+
+def term_name(output: str) -> str:
+    """The loss term of an output: ``cross_entropy`` for the model's head (the name it had
+    alone), ``cross_entropy_<tap>`` for the classifier on a trunk tap."""
+    return "cross_entropy" if output == "head" else f"cross_entropy_{output}"
+
+
+def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
+    """One cross-entropy term per output, each its own (weight 1: VISSL sums the outputs)."""
+    names = [term_name(o) for o in ("head", *config.method.get("tap_classifiers", ()))]
+    return common.as_loss_terms(names)
+
+
+class TapClassifiers(nn.Module):
+    """A linear classifier on each named trunk tap (VISSL's ``mlp`` head with dims [C, K],
+    PyTorch's Linear init); a spatial tap (n, H, W, C) is averaged over H and W first."""
+
+    taps: tuple[str, ...]
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, taps: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        logits = {}
+        for tap in self.taps:
+            x = jnp.asarray(taps[tap], jnp.float32)
+            x = jnp.mean(x, axis=(1, 2)) if x.ndim == 4 else x.reshape(x.shape[0], -1)
+            logits[tap] = nn.Dense(
+                self.num_classes,
+                kernel_init=torch_linear_kernel_init,
+                bias_init=torch_linear_bias_init(x.shape[-1]),
+                name=tap,
+            )(x)
+        return logits
 
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
-    smoothing = float(config.method.label_smoothing)
+    mcfg = config.method
+    smoothing = float(mcfg.label_smoothing)
+    # Fields added with the multi-output loss; a workdir's older config lacks them.
+    temperature = float(mcfg.get("temperature", 1.0))
+    normalize_output = bool(mcfg.get("normalize_output", False))
+    taps = tuple(str(t) for t in mcfg.get("tap_classifiers", ()))
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+    classifiers = TapClassifiers(taps, int(config.model.head_dims[-1]))
+    term_specs = terms(config)
+    weights_at = common.loss_weights(config, term_specs, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
-        variables = model.init(rng, images, train=False)
-        return dict(params=variables["params"], batch_stats=variables["batch_stats"])
+        model_rng, classifier_rng = jax.random.split(rng)
+        variables = model.init(model_rng if taps else rng, images, train=False)
+        params = variables["params"]
+        if taps:
+            tapped = model.apply(variables, images, train=False)
+            missing = [t for t in taps if t not in tapped or t == "head"]
+            if missing:
+                raise ValueError(
+                    f"method.tap_classifiers names {missing}, which the trunk does not tap; "
+                    f"its taps are {sorted(t for t in tapped if t != 'head')}."
+                )
+            params = {**params, CLASSIFIERS: classifiers.init(classifier_rng, tapped)["params"]}
+        return dict(params=params, batch_stats=variables["batch_stats"])
 
     def loss(params, state, batch, rng, train: bool = True):
         (images,) = common.views(batch)
-        out, batch_stats = common.apply_model(model, params, state.batch_stats, images, train)
-        logits = out["head"].astype(jnp.float32)
+        model_params = {k: v for k, v in params.items() if k != CLASSIFIERS}
+        out, batch_stats = common.apply_model(model, model_params, state.batch_stats, images, train)
+        outputs = {"head": out["head"].astype(jnp.float32)}
+        if taps:
+            outputs.update(classifiers.apply({"params": params[CLASSIFIERS]}, out))
         labels = batch["label"]
-        terms = {"cross_entropy": losses.cross_entropy(logits, labels, smoothing)}
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
-        hits = {
-            f"top{k}": 100.0 * hit for k, hit in losses.top_k_hits(logits, labels, TOP_K).items()
-        }
+        _, per_output = losses.multi_output_cross_entropy(
+            outputs, labels, smoothing, temperature, normalize_output
+        )
+        terms_ = {term_name(o): ce for o, ce in per_output.items()}
+        value, per_example, term_metrics = common.weighted_loss(terms_, weights_at(state.step))
+        hits = {}
+        for output, logits in outputs.items():
+            suffix = "" if output == "head" else f"_{output}"
+            for k, hit in losses.top_k_hits(logits, labels, TOP_K).items():
+                hits[f"top{k}{suffix}"] = 100.0 * hit
         return value, LossOutput(
             metrics={**term_metrics, **{name: jnp.mean(h) for name, h in hits.items()}},
             batch_stats=batch_stats,
             features=out["avgpool"],
-            embeddings=logits,
+            embeddings=outputs["head"],
             per_example_loss=per_example,
-            terms=terms,
+            terms=terms_,
             per_example_metrics=hits,
         )
 
@@ -88,6 +163,18 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "(VISSL's RandomResizedCrop + flip); set --config.data.augment.num_crops='(1,)'."
         )
     smoothing = config.method.label_smoothing
+    temperature = config.method.get("temperature", 1.0)
+    if temperature <= 0:
+        raise ValueError(
+            f"method.temperature={temperature} must be positive (VISSL's default 1.0: the "
+            "logits as they are)."
+        )
+    taps = tuple(config.method.get("tap_classifiers", ()))
+    if len(set(taps)) < len(taps) or "head" in taps or not all(isinstance(t, str) for t in taps):
+        raise ValueError(
+            f"method.tap_classifiers={taps} must list distinct trunk tap names (not 'head', "
+            "the model's own classifier), e.g. --config.method.tap_classifiers=\"('res4',)\"."
+        )
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(
             f"method.label_smoothing={smoothing} must lie in [0, 1) (0: plain cross-entropy; "

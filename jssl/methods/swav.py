@@ -8,8 +8,20 @@ multi-resolution forward). The embeddings are L2-normalised and scored against e
 prototypes (``method.num_prototypes``; rows of unit norm, so the scores are cosines). For each
 prototype set, the codes of the ``crops_for_assign`` crops come from Sinkhorn-Knopp over the
 global batch (``jssl.losses.sinkhorn_knopp``: every sum over samples spans all devices), and
-every other crop predicts them (``jssl.losses.swav_loss``); the loss is the mean over
-prototype sets. After the optimizer step the prototypes are L2-normalised again (VISSL's
+every other crop predicts them (``jssl.losses.swav_crop_losses``); the loss is the mean over
+prototype sets.
+
+Loss terms (``terms``): one per assignment crop, ``swapped_prediction_crop<a>``: the loss whose
+targets are crop ``a``'s codes, averaged over the crops that predict them and over the
+prototype sets (VISSL's per-``crops_for_assign`` ``loss``). Each weighs 1 /
+len(crops_for_assign) by default, so their sum is VISSL's mean over assignment crops, bit for
+bit with the two large crops and one prototype set (with several, to float32 rounding: the sets
+are averaged within each crop's term first);
+``--config.loss.weights.swapped_prediction_crop1=0`` trains on crop 0's codes alone (crop 1
+still predicts them), and ``loss.weights.swapped_prediction`` scales every crop's term.
+TensorBoard and the test phase keep ``swapped_prediction``, the crops' mean at their shares.
+
+After the optimizer step the prototypes are L2-normalised again (VISSL's
 NormalizePrototypesHook, ``normalize_prototypes``), and for the first
 ``freeze_prototypes_iters`` steps the optimizer holds them fixed (VISSL
 TEMP_FROZEN_PARAMS_ITER_MAP).
@@ -50,7 +62,14 @@ from jssl.methods import LossOutput, Method, common
 from jssl.models.resnet import torch_linear_kernel_init
 from jssl.parallel import DATA_AXIS
 
-TERMS = ("swapped_prediction",)
+
+def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
+    """One term per assignment crop: ``swapped_prediction_crop<a>`` for each ``a`` of
+    ``method.crops_for_assign``, the swapped loss whose targets are crop ``a``'s codes (VISSL
+    swav_loss.py: the ``loss`` of one ``crop_id``, averaged over the predicting crops and the
+    prototype sets), each weighing 1 / len(crops_for_assign) by default: their sum is SwAV's
+    loss, the mean over assignment crops. ``loss.weights.swapped_prediction`` scales them all."""
+    return common.crop_terms("swapped_prediction", config.method.crops_for_assign)
 
 
 class Prototypes(nn.Module):
@@ -87,7 +106,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     # Without the epoch length (evaluation engines) the queue is never used: eval mode.
     queue_start = int(round(mcfg.queue_start_epoch * steps_per_epoch)) if steps_per_epoch else 0
     normalize = mcfg.normalize_prototypes
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+    term_specs = terms(config)
+    weights_at = common.loss_weights(config, term_specs, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         model_rng, proto_rng = jax.random.split(rng)
@@ -133,9 +153,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
                 {"params": jax.lax.stop_gradient(params["prototypes"])}, queued
             )
         hard = (state.step < mcfg.hard_assignment_iters) if train else False
-        per_example, metrics = 0.0, {}
+        per_crop, metrics = 0.0, {}
         for i, set_scores in enumerate(scores):
-            _, set_metrics, set_per_example = losses.swav_loss(
+            set_per_crop, set_metrics = losses.swav_crop_losses(
                 common.split_crops(set_scores, count),
                 crops_for_assign=assign,
                 temperature=mcfg.temperature,
@@ -147,7 +167,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
                 hard_assignment=hard,
                 use_double_precision=mcfg.use_double_precision,
             )
-            per_example = per_example + set_per_example
+            per_crop = per_crop + set_per_crop.astype(jnp.float32)  # (A, n)
             suffix = "" if len(scores) == 1 else str(i)
             metrics.update({f"{k}{suffix}": v for k, v in set_metrics.items()})
         if use_queue:
@@ -157,8 +177,12 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             # Every replica enqueues the assignment crops of the global batch.
             new = jax.lax.stop_gradient(jnp.stack([z[c * n : (c + 1) * n] for c in assign]))
             carry = {"queue": jax.lax.all_gather(new, DATA_AXIS, axis=1, tiled=True)}  # (A, N, d)
-        terms = {"swapped_prediction": per_example / len(scores)}
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+        # Each assignment crop's loss, averaged over the prototype sets (VISSL SwAVLoss.forward).
+        per_crop = per_crop / len(scores)
+        crop_terms = {term.name: per_crop[a] for a, term in enumerate(term_specs)}
+        value, per_example, term_metrics = common.weighted_loss(
+            crop_terms, weights_at(state.step), term_specs
+        )
         return value, LossOutput(
             metrics={**metrics, **term_metrics},
             batch_stats=batch_stats,
@@ -166,7 +190,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             features=out["avgpool"][:n],
             embeddings=z[:n],
             per_example_loss=per_example,
-            terms=terms,
+            terms=common.reported_terms(crop_terms, term_specs),
         )
 
     def after_update(state, carry):

@@ -85,36 +85,73 @@ class ParamGroup(NamedTuple):
     prefix: str  # parameter path prefix, "head" or "trunk/layer4_1"
     lr_multiplier: float
     schedule: str  # "schedule": multiplier x the run's schedule; "constant": x its peak, always
+    weight_decay: float | None = None  # the group's own decay; None: the run's
 
 
 def param_groups(optim_config: ml_collections.ConfigDict) -> tuple[ParamGroup, ...]:
-    """``optim.param_groups`` validated: entries ``(prefix, lr_multiplier)`` or ``(prefix,
-    lr_multiplier, "constant")``, e.g. ``(("head", 10.0),)``. Errors name the field."""
+    """``optim.param_groups`` validated: entries ``(prefix, lr_multiplier[, schedule]
+    [, weight_decay])``, e.g. ``(("head", 10.0),)``, ``(("head", 1.0, 1e-6),)`` or
+    ``(("head", 10.0, "constant", 0.0),)``: a string after the multiplier is the schedule, a
+    number the group's weight decay. Errors name the field."""
     entries = tuple(optim_config.get("param_groups", ()) or ())
-    example = "--config.optim.param_groups=\"(('head', 10.0), ('predictor', 1.0, 'constant'))\""
+    example = (
+        "--config.optim.param_groups=\"(('head', 10.0), ('predictor', 1.0, 'constant'), "
+        "('head', 1.0, 1e-6))\""
+    )
     groups = []
     for entry in entries:
         entry = tuple(entry) if isinstance(entry, (list, tuple)) else (entry,)
+        rest = entry[2:]
+        schedule = rest[0] if rest and isinstance(rest[0], str) else "schedule"
+        if rest and isinstance(rest[0], str):
+            rest = rest[1:]
+        decay = rest[0] if rest else None
         valid = (
-            len(entry) in (2, 3)
+            len(entry) in (2, 3, 4)
             and isinstance(entry[0], str)
             and entry[0].strip("/")
-            and isinstance(entry[1], (int, float))
+            and _is_number(entry[1])
             and entry[1] >= 0
-            and (len(entry) == 2 or entry[2] in GROUP_SCHEDULES)
+            and schedule in GROUP_SCHEDULES
+            and len(rest) <= 1
+            and (decay is None or (_is_number(decay) and decay >= 0))
         )
         if not valid:
             raise ValueError(
-                f"optim.param_groups entry {entry!r}: each entry is (prefix, lr_multiplier) or "
-                f"(prefix, lr_multiplier, schedule) with a non-empty parameter-path prefix, a "
-                f"multiplier >= 0 and schedule one of {GROUP_SCHEDULES}; e.g. {example}."
+                f"optim.param_groups entry {entry!r}: each entry is (prefix, lr_multiplier"
+                f"[, schedule][, weight_decay]) with a non-empty parameter-path prefix, a "
+                f"multiplier >= 0, schedule one of {GROUP_SCHEDULES} and weight_decay >= 0; "
+                f"e.g. {example}."
             )
-        schedule = entry[2] if len(entry) == 3 else "schedule"
-        groups.append(ParamGroup(entry[0].strip("/"), float(entry[1]), schedule))
+        groups.append(
+            ParamGroup(
+                entry[0].strip("/"),
+                float(entry[1]),
+                schedule,
+                None if decay is None else float(decay),
+            )
+        )
     prefixes = [g.prefix for g in groups]
     if len(set(prefixes)) < len(prefixes):
         raise ValueError(f"optim.param_groups names a prefix twice: {prefixes}.")
     return tuple(groups)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _with_weight_decay(
+    optim_config: ml_collections.ConfigDict, weight_decay: float
+) -> ml_collections.ConfigDict:
+    """``optim_config`` with a group's own, constant weight decay."""
+    group_config = ml_collections.ConfigDict(optim_config.to_dict())
+    group_config.weight_decay = weight_decay
+    # VISSL's head_optimizer_params.weight_decay is a value: without a
+    # param_schedulers.weight_decay_head the head keeps it while the trunk's follows
+    # param_schedulers.weight_decay (vissl/optimizers/param_groups/default.py).
+    group_config.weight_decay_schedule = "constant"
+    return group_config
 
 
 def build_grouped_optimizer(
@@ -137,6 +174,15 @@ def build_grouped_optimizer(
     fixed predictor rate: ``(("head/predictor", 1.0, "constant"),)``). Each group runs the whole
     optimizer (weight-decay mask, momentum, LARC's clip at the group's rate, AdamW's decay times
     the group's rate) on its own parameters, as a PyTorch optimizer does per group.
+
+    A group's weight decay (VISSL ``head_optimizer_params.use_different_wd`` and
+    ``weight_decay``) replaces ``optim.weight_decay`` for its parameters, wherever the
+    optimizer applies decay: added to the gradient for SGD and LARS, inside LARC's trust ratio,
+    decoupled (times the group's rate) for AdamW, and only where ``regularize_bn`` /
+    ``regularize_bias`` allow. It is constant: under ``weight_decay_schedule="cosine"`` the
+    other parameters follow the schedule and the group keeps its value, as VISSL's head keeps
+    ``head_optimizer_params.weight_decay`` when only ``param_schedulers.weight_decay`` is set.
+    A group without one decays as the run does (schedule included).
     Without groups this is exactly ``build_optimizer`` (same state, so old checkpoints load).
     """
     length = dict(steps_per_epoch=steps_per_epoch, num_epochs=num_epochs)  # weight-decay schedule
@@ -162,8 +208,12 @@ def build_grouped_optimizer(
     transforms = {}
     for label in used:
         sub_params = _select(params, labels, label)
-        rate = schedule if label == len(groups) else group_schedule(groups[label])
-        transforms[label] = build_optimizer(optim_config, sub_params, rate, **length)
+        rate, group_config = schedule, optim_config
+        if label < len(groups):
+            rate = group_schedule(groups[label])
+            if groups[label].weight_decay is not None:
+                group_config = _with_weight_decay(optim_config, groups[label].weight_decay)
+        transforms[label] = build_optimizer(group_config, sub_params, rate, **length)
     return _partition(transforms, labels)
 
 
