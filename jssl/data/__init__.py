@@ -72,6 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
                 solarize_prob=(0.0,),
                 mean=(0.485, 0.456, 0.406),
                 std=(0.229, 0.224, 0.225),
+                on_device=False,  # True: host crops + flips, the step the rest (device_augment)
             ),
         )
     )

@@ -137,6 +137,42 @@ def make_crops(
     return tuple(out)
 
 
+def host_crops(
+    image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
+) -> tuple[tuple[tf.Tensor, ...], tuple[tf.Tensor, ...]]:
+    """The host's half of make_crops with data.augment.on_device: crop and flip only.
+
+    ``image`` is the decoded image, uint8 or float in [0, 1]. Returns (crops, seeds), per
+    group a (num_crops, S, S, 3) uint8 tensor and a (num_crops, 3, 2) uint32 tensor: each
+    crop's colour, blur and solarize sub-seeds (transforms.view_seeds, the host path's; the
+    low 32 bits of each int64 half), which jssl.data.device_augment turns into the JAX keys
+    of the rest of the view. The crop box, resize and flip are make_crops's; the crop is then
+    rounded to uint8.
+    """
+    seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
+    out_crops, out_seeds, c = [], [], 0
+    shape = tf.shape(image)
+    scale = 255.0 if image.dtype.is_floating else 1.0
+    for group in groups:
+        views, view_seeds = [], []
+        for _ in range(group.num_crops):
+            crop_s, flip_s, color_s, blur_s, solar_s = transforms.view_seeds(seeds[c])
+            begin, size = transforms.crop_window(shape, crop_s, group.scale, augment.crop_ratio)
+            crop = tf.slice(image, begin, size)
+            # Resize gives float32 in the input's range: [0, 255] from uint8 (cached splits),
+            # [0, 1] from the float decoders.
+            crop = tf.image.resize(crop, (group.size, group.size), "bilinear", antialias=True)
+            crop = crop * scale
+            crop = transforms.random_flip(crop, flip_s, group.flip_prob)
+            views.append(tf.cast(tf.round(tf.clip_by_value(crop, 0.0, 255.0)), tf.uint8))
+            low_bits = tf.bitwise.bitwise_and(tf.stack([color_s, blur_s, solar_s]), 0xFFFFFFFF)
+            view_seeds.append(tf.cast(low_bits, tf.uint32))
+            c += 1
+        out_crops.append(tf.stack(views))
+        out_seeds.append(tf.stack(view_seeds))
+    return tuple(out_crops), tuple(out_seeds)
+
+
 def synthetic_batch(data_config, batch_size: int, seed: int = 0) -> dict:
     """A host batch of Gaussian noise shaped as the training pipeline's (every crop group),
     for benchmarks and tests of the step that need no data."""

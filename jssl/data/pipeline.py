@@ -115,15 +115,20 @@ def _checked_images(
 def _crops_fn(data_config, seed: int, epoch: int):
     groups = crops.crop_groups(data_config)
 
+    augment = data_config.augment
+    on_device = augment.get("on_device", False)
+
     def make_crops(example):
-        image = tf.image.convert_image_dtype(example["image"], tf.float32)
         example_seed = transforms.example_seed(seed, epoch, example["index"])
-        return {
-            "crops": crops.make_crops(image, example_seed, groups, data_config.augment),
-            "label": example["label"],
-            "index": example["index"],
-            "replaced": example["replaced"],
-        }
+        row = {"label": example["label"], "index": example["index"]}
+        if on_device:  # crop + flip in uint8; colour, blur, ... in the step (device_augment)
+            row["crops"], row["aug_seeds"] = crops.host_crops(
+                example["image"], example_seed, groups, augment
+            )
+        else:
+            image = tf.image.convert_image_dtype(example["image"], tf.float32)
+            row["crops"] = crops.make_crops(image, example_seed, groups, augment)
+        return {**row, "replaced": example["replaced"]}
 
     return make_crops
 
