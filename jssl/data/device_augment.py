@@ -71,28 +71,11 @@ def rgb_to_hsv(image: jax.Array) -> jax.Array:
 
 
 def hsv_to_rgb(hsv: jax.Array) -> jax.Array:
-    """Inverse of rgb_to_hsv: the hue's sextant picks where chroma and the middle value go."""
-    hue, saturation, value = hsv[..., 0], hsv[..., 1], hsv[..., 2]
-    chroma = saturation * value
-    low = value - chroma
-    sextant_pos = hue * 6.0
-    middle = chroma * (1.0 - jnp.abs(jnp.mod(sextant_pos, 2.0) - 1.0))
-    sextant = jnp.clip(jnp.floor(sextant_pos), 0, 5).astype(jnp.int32)
-    zero = jnp.zeros_like(chroma)
-    # (r, g, b) before adding `low`, per sextant 0..5.
-    table = jnp.stack(
-        [
-            jnp.stack([chroma, middle, zero], -1),
-            jnp.stack([middle, chroma, zero], -1),
-            jnp.stack([zero, chroma, middle], -1),
-            jnp.stack([zero, middle, chroma], -1),
-            jnp.stack([middle, zero, chroma], -1),
-            jnp.stack([chroma, zero, middle], -1),
-        ],
-        axis=0,
-    )
-    rgb = jnp.take_along_axis(table, sextant[None, ..., None], axis=0)[0]
-    return rgb + low[..., None]
+    """Inverse of rgb_to_hsv in closed form: channel n is v - v s clip(min(k, 4 - k), 0, 1) with
+    k = (n + 6 h) mod 6 for n = 5, 3, 1 (red, green, blue), TF's sextant table without a gather."""
+    hue, saturation, value = hsv[..., 0:1], hsv[..., 1:2], hsv[..., 2:3]
+    k = jnp.mod(jnp.asarray([5.0, 3.0, 1.0], hsv.dtype) + hue * 6.0, 6.0)
+    return value - value * saturation * jnp.clip(jnp.minimum(k, 4.0 - k), 0.0, 1.0)
 
 
 def adjust_hue(image: jax.Array, delta: jax.Array) -> jax.Array:
@@ -168,12 +151,29 @@ def sample_params(keys: jax.Array, group: crops_lib.CropGroup, augment) -> ViewP
     return ViewParams(jitter, order, factors, gray, blurred, sigma, solarized)
 
 
+def _blend_op(image: jax.Array, op: jax.Array, factor: jax.Array) -> jax.Array:
+    """Brightness (op 0), contrast (1) or saturation (2): each blends the image with a grey
+    (black, the mean luma, the pixel's luma) by its factor, so one formula serves all three."""
+    luma = grayscale(image)
+    other = jnp.where(op == 0, 0.0, jnp.where(op == 1, jnp.mean(luma), luma))
+    return _blend(image, other, factor)
+
+
 def color_jitter(image: jax.Array, order: jax.Array, factors: jax.Array) -> jax.Array:
-    """The four adjustments in ``order`` (transforms.color_jitter with its draws given)."""
-    ops = [adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue]
-    branches = [lambda x, f, op=op: op(x, f) for op in ops]
-    for i in range(4):
-        image = jax.lax.switch(order[i], branches, image, factors[order[i]])
+    """The four adjustments in ``order`` (transforms.color_jitter with its draws given).
+
+    Vectorised over crops a data-dependent order costs every candidate op at every position;
+    the hue rotation (an HSV round trip) is the expensive one, so it runs once, between the
+    blends drawn before it and those drawn after it.
+    """
+    hue_position = jnp.argmax(order == 3)
+    for i in range(3):  # positions that can precede the hue op
+        blended = _blend_op(image, order[i], factors[order[i]])
+        image = jnp.where(i < hue_position, blended, image)
+    image = adjust_hue(image, factors[3])
+    for i in range(1, 4):  # positions that can follow it
+        blended = _blend_op(image, order[i], factors[order[i]])
+        image = jnp.where(i > hue_position, blended, image)
     return image
 
 
