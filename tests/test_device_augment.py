@@ -282,9 +282,11 @@ def test_views_deterministic_and_the_same_on_1_and_4_devices(tmp_path):
         subprocess.run([sys.executable, script, str(out)], env=env, check=True, timeout=300)
         results[devices] = dict(np.load(out))
         assert int(results[devices]["devices"]) == devices
+    # Float tolerance: XLA vectorises 8 and 2 rows per device differently (measured: 2.6e-6
+    # on 7 of 12288 values); another draw would move the views by O(1).
     for g, expected in enumerate(first):
-        np.testing.assert_allclose(results[1][f"g{g}"], expected, atol=1e-6)
-        np.testing.assert_allclose(results[4][f"g{g}"], results[1][f"g{g}"], atol=1e-6)
+        np.testing.assert_allclose(results[1][f"g{g}"], expected, atol=1e-5)
+        np.testing.assert_allclose(results[4][f"g{g}"], results[1][f"g{g}"], atol=1e-5)
 
 
 def test_on_device_run_trains(tmp_path_factory, tmp_path):

@@ -162,9 +162,9 @@ def host_crops(
             # Resize gives float32 in the input's range: [0, 255] from uint8 (cached splits),
             # [0, 1] from the float decoders.
             crop = tf.image.resize(crop, (group.size, group.size), "bilinear", antialias=True)
-            crop = crop * scale
-            crop = transforms.random_flip(crop, flip_s, group.flip_prob)
-            views.append(tf.cast(tf.round(tf.clip_by_value(crop, 0.0, 255.0)), tf.uint8))
+            # Round half up; the flip (exact) then moves a quarter of the bytes.
+            crop = tf.saturate_cast(crop * scale + 0.5, tf.uint8)
+            views.append(transforms.random_flip(crop, flip_s, group.flip_prob))
             low_bits = tf.bitwise.bitwise_and(tf.stack([color_s, blur_s, solar_s]), 0xFFFFFFFF)
             view_seeds.append(tf.cast(low_bits, tf.uint32))
             c += 1
