@@ -302,9 +302,16 @@ def test_on_device_run_trains(tmp_path_factory, tmp_path):
     config.data.data_dir = data_dir
     config.data.augment.on_device = True
     config.checkpoint.async_save = False
-    # The pipeline's batches: uint8 crops and the seeds for the step.
-    batch = next(data.build_train_dataset(config.data, seed=0, epoch=0).as_numpy_iterator())
-    assert batch["crops"][0].dtype == np.uint8 and batch["aug_seeds"][0].dtype == np.uint32
+    # The pipeline's batches: uint8 crops and the seeds for the step, the same when a resumed
+    # epoch starts at that batch (so are the views the step makes of them).
+    epoch = data.build_train_dataset(config.data, seed=0, epoch=1).as_numpy_iterator()
+    _, second = next(epoch), next(epoch)
+    assert second["crops"][0].dtype == np.uint8 and second["aug_seeds"][0].dtype == np.uint32
+    resumed = data.build_train_dataset(config.data, seed=0, epoch=1, start_step=1)
+    resumed = next(resumed.as_numpy_iterator())
+    for key in ("crops", "aug_seeds"):
+        for a, b in zip(second[key], resumed[key], strict=True):
+            np.testing.assert_array_equal(a, b)
     summary = train.run(config, str(tmp_path))
     assert summary["step"] == config.num_epochs * data.steps_per_epoch(config.data)
     assert summary["step"] > 0

@@ -20,6 +20,10 @@ The batch carries one array per group, ``batch["crops"][g]`` of shape (N, num_cr
 S_g, S_g, 3); crop j of example i is a function of (seed, epoch, dataset index, crop number),
 crop numbers running over the groups in order (group 0's crops first), so the views of an
 example stay aligned across groups and are the same on any number of processes.
+
+With ``data.augment.on_device`` the host makes only each crop's box, resize and flip
+(``host_crops``, uint8) and the train step the rest (jssl.data.device_augment), from the same
+per-crop seeds.
 """
 
 from __future__ import annotations

@@ -202,7 +202,10 @@ def build_train_dataset(
 ) -> tf.data.Dataset:
     """This process's batches of one training epoch: {"crops", "label", "index", "replaced"}.
 
-    "crops" holds one array per crop group (jssl.data.crops), (local batch, num_crops, S, S, 3).
+    "crops" holds one array per crop group (jssl.data.crops), (local batch, num_crops, S, S, 3):
+    the normalised float32 views, or with data.augment.on_device the uint8 crops (crop + flip
+    only) and an "aug_seeds" array per group, (local batch, num_crops, 3, 2) uint32, from which
+    the train step makes the views (jssl.data.device_augment).
 
     Exactly steps_per_epoch - start_step batches on every process, whatever is unreadable;
     start_step > 0 drops that many batches before anything is decoded. "replaced" (bool per row)
