@@ -8,6 +8,14 @@
 --source=demo reads the built-in demo set (generated into --data_dir on first use); --source=folder
 writes a synthetic ImageNet-like folder of random JPEGs (--image_shape, default 375x500) to a
 temporary directory, or reads --data_dir if given. Prints examples/s and crops/s of this host.
+
+    python benchmarks/input_pipeline.py --source=folder --image_size=224 --batch_size=64 \
+        --compare_on_device
+
+--compare_on_device times both host paths in one run, the full augmentation on the host and
+the crop + flip only of data.augment.on_device=True (its host cost), prints their ratio, then
+times the jitted on-device augmentation alone (jssl.data.device_augment) on a batch of uint8
+crops of the same shapes on this process's first JAX device: what it adds to the train step.
 """
 
 from __future__ import annotations
@@ -41,6 +49,56 @@ def write_synthetic_folder(root: str, num_images: int, shape: tuple[int, int]) -
         image.save(os.path.join(class_dir, f"{i:06d}.jpg"), quality=90)
 
 
+def images_per_second(config, steps: int, warmup: int) -> tuple[float, float]:
+    """Examples per wall second and per CPU second (all of tf.data's threads, user + system:
+    the issue's "per core", robust to a shared machine) of this process's training pipeline
+    over `steps` batches after `warmup`."""
+    batches, epoch, start, cpu = 0, 0, None, None
+    while batches < warmup + steps:
+        for _ in data.build_train_dataset(config, seed=0, epoch=epoch).as_numpy_iterator():
+            batches += 1
+            if batches == warmup:
+                start, cpu = time.perf_counter(), time.process_time()
+            if batches == warmup + steps:
+                break
+        epoch += 1
+    examples = steps * config.batch_size
+    return examples / (time.perf_counter() - start), examples / (time.process_time() - cpu)
+
+
+def device_augment_cost(config, batch_size: int, steps: int) -> None:
+    """Time of the jitted on-device augmentation alone on a host-shaped batch of uint8 crops."""
+    import jax
+
+    from jssl.data import device_augment
+
+    config.augment.on_device = True
+    augment = jax.jit(device_augment.make_batch_augment(config))
+    rng = np.random.default_rng(0)
+    batch = {"crops": [], "aug_seeds": []}
+    for group in data.crop_groups(config):
+        shape = (batch_size, group.num_crops, group.size, group.size, 3)
+        batch["crops"].append(rng.integers(0, 256, shape, dtype=np.uint8))
+        seeds = rng.integers(0, 2**32, (batch_size, group.num_crops, 3, 2), dtype=np.uint32)
+        batch["aug_seeds"].append(seeds)
+    batch = jax.device_put({k: tuple(v) for k, v in batch.items()})
+    cpu = time.process_time()
+    jax.block_until_ready(augment(batch))  # compile
+    compile_cpu = time.process_time() - cpu
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        out = augment(batch)
+    jax.block_until_ready(out)
+    wall = (time.perf_counter() - start) / steps
+    cpu = (time.process_time() - cpu) / steps
+    print(
+        f"on-device augmentation alone on {jax.devices()[0].platform} "
+        f"({jax.devices()[0].device_kind}), batch {batch_size}: {wall * 1e3:.1f} ms/batch wall, "
+        f"{cpu * 1e3:.1f} ms CPU time/batch, {batch_size / wall:.0f} images/s "
+        f"(compile {compile_cpu:.1f} s CPU)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", choices=["demo", "folder"], default="demo")
@@ -55,6 +113,15 @@ def main() -> None:
     parser.add_argument("--num_images", type=int, default=1024, help="synthetic folder size")
     parser.add_argument("--image_shape", type=int, nargs=2, default=(375, 500), help="H W")
     parser.add_argument("--cache", action="store_true", help="data.cache=True (demo)")
+    parser.add_argument(
+        "--on_device", action="store_true", help="data.augment.on_device=True: crop + flip only"
+    )
+    parser.add_argument(
+        "--compare_on_device",
+        action="store_true",
+        help="both host paths in one run, their ratio, and the on-device augmentation's time",
+    )
+    parser.add_argument("--device_steps", type=int, default=5, help="timed augmentation calls")
     args = parser.parse_args()
 
     config = data.default_config()
@@ -82,26 +149,29 @@ def main() -> None:
     else:
         config.data_dir = args.data_dir or os.path.join(tempfile.gettempdir(), "jssl_bench_tfds")
 
-    steps_per_epoch = data.steps_per_epoch(config)
-    batches = 0
-    epoch = 0
-    start = None
-    while batches < args.warmup + args.steps:
-        for _ in data.build_train_dataset(config, seed=0, epoch=epoch).as_numpy_iterator():
-            batches += 1
-            if batches == args.warmup:
-                start = time.perf_counter()
-            if batches == args.warmup + args.steps:
-                break
-        epoch += 1
-    elapsed = time.perf_counter() - start
-    examples = args.steps * args.batch_size
-    print(
+    label = (
         f"source={args.source} S={args.image_size} batch={args.batch_size} "
         f"crops={args.num_crops} sizes={args.crop_sizes or args.image_size} "
-        f"steps/epoch={steps_per_epoch} cpus={os.cpu_count()}: "
-        f"{examples / elapsed:.0f} images/s ({examples * sum(num_crops) / elapsed:.0f} crops/s)"
+        f"steps/epoch={data.steps_per_epoch(config)} cpus={os.cpu_count()}"
     )
+    paths = [False, True] if args.compare_on_device else [args.on_device]
+    rates = {}
+    for on_device in paths:
+        config.augment.on_device = on_device
+        wall, per_cpu = images_per_second(config, args.steps, args.warmup)
+        rates[on_device] = (wall, per_cpu)
+        what = "crop + flip on the host (on_device=True)" if on_device else "full host augmentation"
+        print(
+            f"{label}: {what}: {wall:.0f} images/s ({wall * sum(num_crops):.0f} crops/s), "
+            f"{per_cpu:.1f} images per CPU second"
+        )
+    if args.compare_on_device:
+        print(
+            "on_device=True / full host augmentation: "
+            f"{rates[True][0] / rates[False][0]:.2f}x images/s, "
+            f"{rates[True][1] / rates[False][1]:.2f}x images per CPU second"
+        )
+        device_augment_cost(config, args.batch_size, args.device_steps)
     if tmp is not None:
         tmp.cleanup()
 

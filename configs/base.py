@@ -70,6 +70,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     a.solarize_prob = (0.0,)
     a.mean = (0.485, 0.456, 0.406)
     a.std = (0.229, 0.224, 0.225)
+    a.on_device = False  # True: host crops + flips (uint8), the step does the rest (device_augment)
 
     c.optim = ml_collections.ConfigDict()
     o = c.optim

@@ -217,6 +217,7 @@ def train_data_config(
         a.grayscale_prob = (0.0,)
         a.blur_prob = (0.0,)
         a.solarize_prob = (0.0,)
+        a.on_device = False  # the linear heads read the host's normalised float crops
     return out
 
 

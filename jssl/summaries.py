@@ -35,7 +35,11 @@ def write_views(writer, crops: Sequence[np.ndarray], augment_config) -> None:
     for g, group in enumerate(crops):
         group = np.asarray(group)  # (n, num_crops, S, S, 3)
         views = [group[:, j] for j in range(group.shape[1])]
-        grid = view_grid(views, augment_config.mean, augment_config.std)
+        # uint8: data.augment.on_device's host crops, before the step's colour ops.
+        mean, std = (augment_config.mean, augment_config.std)
+        if group.dtype == np.uint8:
+            mean, std = (0.0, 0.0, 0.0), (1 / 255,) * 3
+        grid = view_grid(views, mean, std)
         images[f"augmented_crops/group{g}_{group.shape[1]}x{group.shape[2]}px"] = grid[None]
     writer.write_images(0, images)
 

@@ -36,6 +36,7 @@ def make_train_step(
     schedule: Callable[[jax.Array], jax.Array],
     mesh: Mesh,
     probe_config: Any = None,
+    augment: Callable[[Any], Any] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted, state-donating train step over ``mesh``.
 
@@ -46,9 +47,14 @@ def make_train_step(
     ``stop`` is :func:`stop_flags` of this process's SIGTERM flag: the step returns
     ``metrics["stop"]``, the flag's maximum over every device of every process, so all
     processes agree on when to stop without a collective of their own outside the step.
+
+    ``augment`` (jssl.data.device_augment.make_batch_augment, data.augment.on_device) turns
+    the host's uint8 crops into the method's views first, per example, so per replica.
     """
 
     def per_replica(state: TrainState, batch: Any, stop: jax.Array):
+        if augment is not None:
+            batch = augment(batch)
         # Same key on every replica: methods that need agreement (shuffle-BN's permutation)
         # get it for free; per-replica randomness folds in jax.lax.axis_index(DATA_AXIS).
         rng = jax.random.fold_in(state.rng, state.step)

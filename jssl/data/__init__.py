@@ -4,7 +4,8 @@ Sources: "demo" (a built-in generated TFDS dataset, offline), "tfds" (any TFDS d
 and "folder" (root/<split>/<class>/<images>). The trainer uses four functions:
 
 - build_train_dataset: one epoch of this process's batches of augmented crops (one array per
-  crop group, see crops.py), with a per-row
+  crop group, see crops.py; with data.augment.on_device uint8 crops + flips and the seeds from
+  which the train step makes the views, see device_augment.py), with a per-row
   "replaced" flag (True where an unreadable example was replaced, data.skip_corrupt=True); the
   order is a seeded global permutation per epoch (epoch_order, process_order; see order.py);
 - build_eval_dataset: the whole split, un-augmented, padded with a mask to static shapes;
@@ -72,6 +73,7 @@ def default_config() -> ml_collections.ConfigDict:
                 solarize_prob=(0.0,),
                 mean=(0.485, 0.456, 0.406),
                 std=(0.229, 0.224, 0.225),
+                on_device=False,  # True: host crops + flips, the step the rest (device_augment)
             ),
         )
     )

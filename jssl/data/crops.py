@@ -20,6 +20,10 @@ The batch carries one array per group, ``batch["crops"][g]`` of shape (N, num_cr
 S_g, S_g, 3); crop j of example i is a function of (seed, epoch, dataset index, crop number),
 crop numbers running over the groups in order (group 0's crops first), so the views of an
 example stay aligned across groups and are the same on any number of processes.
+
+With ``data.augment.on_device`` the host makes only each crop's box, resize and flip
+(``host_crops``, uint8) and the train step the rest (jssl.data.device_augment), from the same
+per-crop seeds.
 """
 
 from __future__ import annotations
@@ -135,6 +139,42 @@ def make_crops(
             c += 1
         out.append(tf.stack(views))
     return tuple(out)
+
+
+def host_crops(
+    image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
+) -> tuple[tuple[tf.Tensor, ...], tuple[tf.Tensor, ...]]:
+    """The host's half of make_crops with data.augment.on_device: crop and flip only.
+
+    ``image`` is the decoded image, uint8 or float in [0, 1]. Returns (crops, seeds), per
+    group a (num_crops, S, S, 3) uint8 tensor and a (num_crops, 3, 2) uint32 tensor: each
+    crop's colour, blur and solarize sub-seeds (transforms.view_seeds, the host path's; the
+    low 32 bits of each int64 half), which jssl.data.device_augment turns into the JAX keys
+    of the rest of the view. The crop box, resize and flip are make_crops's; the crop is then
+    rounded to uint8.
+    """
+    seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
+    out_crops, out_seeds, c = [], [], 0
+    shape = tf.shape(image)
+    scale = 255.0 if image.dtype.is_floating else 1.0
+    for group in groups:
+        views, view_seeds = [], []
+        for _ in range(group.num_crops):
+            crop_s, flip_s, color_s, blur_s, solar_s = transforms.view_seeds(seeds[c])
+            begin, size = transforms.crop_window(shape, crop_s, group.scale, augment.crop_ratio)
+            crop = tf.slice(image, begin, size)
+            # Resize gives float32 in the input's range: [0, 255] from uint8 (cached splits),
+            # [0, 1] from the float decoders.
+            crop = tf.image.resize(crop, (group.size, group.size), "bilinear", antialias=True)
+            # Round half up; the flip (exact) then moves a quarter of the bytes.
+            crop = tf.saturate_cast(crop * scale + 0.5, tf.uint8)
+            views.append(transforms.random_flip(crop, flip_s, group.flip_prob))
+            low_bits = tf.bitwise.bitwise_and(tf.stack([color_s, blur_s, solar_s]), 0xFFFFFFFF)
+            view_seeds.append(tf.cast(low_bits, tf.uint32))
+            c += 1
+        out_crops.append(tf.stack(views))
+        out_seeds.append(tf.stack(view_seeds))
+    return tuple(out_crops), tuple(out_seeds)
 
 
 def synthetic_batch(data_config, batch_size: int, seed: int = 0) -> dict:

@@ -115,15 +115,20 @@ def _checked_images(
 def _crops_fn(data_config, seed: int, epoch: int):
     groups = crops.crop_groups(data_config)
 
+    augment = data_config.augment
+    on_device = augment.get("on_device", False)
+
     def make_crops(example):
-        image = tf.image.convert_image_dtype(example["image"], tf.float32)
         example_seed = transforms.example_seed(seed, epoch, example["index"])
-        return {
-            "crops": crops.make_crops(image, example_seed, groups, data_config.augment),
-            "label": example["label"],
-            "index": example["index"],
-            "replaced": example["replaced"],
-        }
+        row = {"label": example["label"], "index": example["index"]}
+        if on_device:  # crop + flip in uint8; colour, blur, ... in the step (device_augment)
+            row["crops"], row["aug_seeds"] = crops.host_crops(
+                example["image"], example_seed, groups, augment
+            )
+        else:
+            image = tf.image.convert_image_dtype(example["image"], tf.float32)
+            row["crops"] = crops.make_crops(image, example_seed, groups, augment)
+        return {**row, "replaced": example["replaced"]}
 
     return make_crops
 
@@ -197,7 +202,10 @@ def build_train_dataset(
 ) -> tf.data.Dataset:
     """This process's batches of one training epoch: {"crops", "label", "index", "replaced"}.
 
-    "crops" holds one array per crop group (jssl.data.crops), (local batch, num_crops, S, S, 3).
+    "crops" holds one array per crop group (jssl.data.crops), (local batch, num_crops, S, S, 3):
+    the normalised float32 views, or with data.augment.on_device the uint8 crops (crop + flip
+    only) and an "aug_seeds" array per group, (local batch, num_crops, 3, 2) uint32, from which
+    the train step makes the views (jssl.data.device_augment).
 
     Exactly steps_per_epoch - start_step batches on every process, whatever is unreadable;
     start_step > 0 drops that many batches before anything is decoded. "replaced" (bool per row)

@@ -44,6 +44,24 @@ def random_apply(
     return tf.cond(_uniform(coin_seed) < prob, lambda: fn(image, fn_seed), lambda: image)
 
 
+def crop_window(
+    shape: tf.Tensor, seed: Seed, scale: Sequence[float], ratio: Sequence[float]
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """(begin, size) of random_resized_crop's box in an image of `shape`: a function of the
+    shape and the seed only, so the uint8 host path of data.augment.on_device crops the same box."""
+    begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        shape,
+        bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+        seed=seed,
+        min_object_covered=0.0,
+        aspect_ratio_range=tuple(ratio),
+        area_range=tuple(scale),
+        max_attempts=10,
+        use_image_if_no_bounding_boxes=True,
+    )
+    return begin, crop_size
+
+
 def random_resized_crop(
     image: tf.Tensor,
     seed: Seed,
@@ -56,16 +74,7 @@ def random_resized_crop(
     Inception-style crop as torchvision's RandomResizedCrop (used by VISSL's SSL configs); when no
     box is found after the attempts the whole image is used.
     """
-    begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
-        tf.shape(image),
-        bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-        seed=seed,
-        min_object_covered=0.0,
-        aspect_ratio_range=tuple(ratio),
-        area_range=tuple(scale),
-        max_attempts=10,
-        use_image_if_no_bounding_boxes=True,
-    )
+    begin, crop_size = crop_window(tf.shape(image), seed, scale, ratio)
     crop = tf.slice(image, begin, crop_size)
     # antialias: PIL's bilinear resize (what VISSL uses) filters when downscaling.
     out = tf.image.resize(crop, (size, size), method="bilinear", antialias=True)
@@ -83,6 +92,23 @@ def _grayscale3(image: tf.Tensor) -> tf.Tensor:
 
 def _blend(image: tf.Tensor, other: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
     return tf.clip_by_value(other + factor * (image - other), 0.0, 1.0)
+
+
+# The four colour adjustments with their factor given (jssl.data.device_augment has their twins).
+def adjust_brightness(image: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+    return tf.clip_by_value(image * factor, 0.0, 1.0)
+
+
+def adjust_contrast(image: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+    return _blend(image, tf.reduce_mean(tf.image.rgb_to_grayscale(image)), factor)
+
+
+def adjust_saturation(image: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+    return _blend(image, _grayscale3(image), factor)
+
+
+def adjust_hue(image: tf.Tensor, delta: tf.Tensor) -> tf.Tensor:
+    return tf.clip_by_value(tf.image.adjust_hue(image, delta), 0.0, 1.0)
 
 
 def color_jitter(
@@ -107,10 +133,10 @@ def color_jitter(
     s = _uniform(s_seed, max(0.0, 1 - saturation), 1 + saturation)
     h = _uniform(h_seed, -hue, hue)
     branches = [
-        lambda x: tf.clip_by_value(x * b, 0.0, 1.0),
-        lambda x: _blend(x, tf.reduce_mean(tf.image.rgb_to_grayscale(x)), c),
-        lambda x: _blend(x, _grayscale3(x), s),
-        lambda x: tf.clip_by_value(tf.image.adjust_hue(x, h), 0.0, 1.0),
+        lambda x: adjust_brightness(x, b),
+        lambda x: adjust_contrast(x, c),
+        lambda x: adjust_saturation(x, s),
+        lambda x: adjust_hue(x, h),
     ]
     order = tf.argsort(tf.random.stateless_uniform([4], seed=order_seed))
     for i in range(4):
@@ -147,9 +173,18 @@ def gaussian_blur(
     The kernel spans ~10% of the image side as in SimCLR (appendix A); edges are reflected so the
     border does not darken.
     """
-    sigma = _uniform(seed, sigma_range[0], sigma_range[1])
+    return blur(image, _uniform(seed, sigma_range[0], sigma_range[1]))
+
+
+def blur_radius(side: int) -> int:
+    """Half the Gaussian kernel's extent: ~10% of the image side as in SimCLR (appendix A)."""
+    return max(1, int(math.ceil(0.1 * side)) // 2)
+
+
+def blur(image: tf.Tensor, sigma: tf.Tensor) -> tf.Tensor:
+    """gaussian_blur with its sigma given."""
     side = image.shape[0] or 32  # static after the crop; a fallback keeps dynamic shapes working
-    radius = max(1, int(math.ceil(0.1 * side)) // 2)
+    radius = blur_radius(side)
     x = tf.range(-radius, radius + 1, dtype=tf.float32)
     kernel = tf.exp(-(x**2) / (2.0 * sigma**2))
     kernel = kernel / tf.reduce_sum(kernel)
@@ -173,6 +208,12 @@ def normalize(image: tf.Tensor, mean: Sequence[float], std: Sequence[float]) -> 
     return (image - mean_t) / std_t
 
 
+def view_seeds(seed: Seed) -> list[tf.Tensor]:
+    """A view's sub-seeds: crop, flip, colour, blur, solarize (ssl_view's, and those the host
+    hands to the device with data.augment.on_device)."""
+    return tf.unstack(tf.random.experimental.stateless_split(seed, 5))
+
+
 def ssl_view(image: tf.Tensor, seed: Seed, group, augment) -> tf.Tensor:
     """One augmented, normalised view of `image` (float32 [0, 1]).
 
@@ -181,9 +222,7 @@ def ssl_view(image: tf.Tensor, seed: Seed, group, augment) -> tf.Tensor:
     crop_ratio, color_strength, blur_sigma, mean and std. Each transform gets its own
     sub-seed, so changing one probability does not reshuffle the randomness of the others.
     """
-    crop_s, flip_s, color_s, blur_s, solar_s = tf.unstack(
-        tf.random.experimental.stateless_split(seed, 5)
-    )
+    crop_s, flip_s, color_s, blur_s, solar_s = view_seeds(seed)
     image = random_resized_crop(image, crop_s, group.size, group.scale, augment.crop_ratio)
     image = random_flip(image, flip_s, group.flip_prob)
     image = color_distortion(

@@ -37,6 +37,7 @@ from jssl import (
     train_state,
     warm_start,
 )
+from jssl.data import device_augment
 from jssl.engines import loop as engine_loop
 from jssl.engines import monitor, preemption
 from jssl.train_step import make_forward, make_train_step, stop_flags
@@ -147,7 +148,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str
         writer=writer,
         steps_per_epoch=steps_per_epoch,
         train_step=make_train_step(
-            method, tx, schedule, mesh, probe_config=config if probe.enabled(config) else None
+            method,
+            tx,
+            schedule,
+            mesh,
+            probe_config=config if probe.enabled(config) else None,
+            augment=device_augment.make_batch_augment(config.data),
         ),
         eval_step=monitor.make_test_step(config, method, mesh),
         forward=forward,
