@@ -16,8 +16,9 @@ the running statistics take both updates in view order.
 
 Deliberate differences from the paper and its code:
 - The paper keeps the predictor's learning rate fixed (``--fix-pred-lr``: no cosine decay for
-  the predictor, Sec. 4.4 "Predictor"); jssl's optimizer has one schedule for every parameter,
-  so here the predictor decays with the rest.
+  the predictor, Sec. 4.4 "Predictor"); the presets decay it with the rest, and
+  ``--config.optim.param_groups="(('predictor', 1.0, 'constant'),)"`` fixes it at the peak rate
+  as the paper does.
 - The official projector's Linear layers have no bias (each is followed by BN); jssl's MLP
   head has biases, which the train-mode BN that follows cancels (their gradient is zero).
 - The official code's BN is synchronised over the GPUs of one 8-GPU node (batch 512); here
