@@ -206,10 +206,32 @@ def test_presets_follow_the_recipes():
     assert (vissl.optim.weight_decay, vissl.optim.weight_decay_end) == (0.04, 0.4)
     assert (vissl.method.warmup_teacher_temp, vissl.method.teacher_temp) == (0.04, 0.07)
     assert not vissl.method.norm_last_layer and vissl.num_epochs == 300
-    for preset in ("", "vissl", "demo", "test"):
+    for preset in ("", "vissl", "demo", "demo_vit", "test", "test_vit"):
         train.validate(dino.get_config(preset))
     with pytest.raises(ValueError, match="Unknown preset"):
         dino.get_config("nope")
+
+
+def test_demo_presets_are_cpu_sized():
+    """The demos (issues 9 and 10): a ResNet-18 and a few-block ViT-Tiny on the 32 px demo
+    data, each with the kNN monitor that prints learned vs random-init accuracy."""
+    demo = dino.get_config("demo")
+    assert demo.data.source == "demo" and demo.data.image_size == 32 and demo.knn.enabled
+    assert demo.model.trunk == "resnet18" and demo.optim.name == "lars"
+    vit = dino.get_config("demo_vit")
+    methods.check_config(vit)
+    m, o, a = vit.model, vit.optim, vit.data.augment
+    assert vit.data.source == "demo" and vit.data.image_size == 32 and vit.knn.enabled
+    assert m.trunk == "vit_tiny" and 0 < m.vit_depth < 12 and m.image_size == 32
+    assert m.patch_size in (4, 8) and all(size % m.patch_size == 0 for size in a.crop_sizes)
+    assert o.name == "adamw" and o.grad_clip_per_parameter == 3.0
+    # The ViT takes the global crops on its 32 px grid and the local ones resampled.
+    method = methods.get(vit, steps_per_epoch=4)
+    crops = [jnp.zeros((2, size, size, 3)) for size in a.crop_sizes]
+    variables = method.model.init(jax.random.key(0), crops, train=False)
+    out = method.model.apply(variables, crops, train=False)
+    assert out["head"].shape == (2 * len(crops), vit.method.out_dim)
+    assert out["avgpool"].shape == (2 * len(crops), 192)  # ViT-Tiny's width
 
 
 @pytest.mark.parametrize(
