@@ -157,9 +157,12 @@ def run_case(spec: dict[str, Any], dtype: str, steps: int, queue_size: int) -> d
     t0 = time.perf_counter()
     step()  # warm-up: oneDNN primitive creation, allocator
     first_s = time.perf_counter() - t0
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = step()
         times.append(time.perf_counter() - t0)
-    return dict(step_s=times, first_s=first_s, loss=loss, threads=torch.get_num_threads())
+        cpu_times.append(time.process_time() - c0)
+    return dict(
+        step_s=times, cpu_s=cpu_times, first_s=first_s, loss=loss, threads=torch.get_num_threads()
+    )

@@ -23,7 +23,10 @@ in its own process so that compile caches and XLA flags do not leak between case
 ``--compare_torch`` times a plain PyTorch MoCo v2 step with the same shapes
 (benchmarks/torch_reference.py) against jssl's MoCo step, queue 4096 on both sides: each case
 runs jssl then PyTorch, one process at a time, for ``--rounds`` rounds, and prints pairs/s
-(global batch / median step time) and the jssl / PyTorch ratio of each round. Without
+(global batch / median step time), the jssl / PyTorch ratio of each round and that of the CPU
+seconds a step takes (all threads; less distorted by other jobs on the machine), and the load
+average when the case started; ``--with_plain``
+adds a minimal JAX step of the same model (benchmarks/plain_step.py). Without
 ``--cases``/``--dtypes`` it runs issue 11's five cases: r18_32_b64, r18_32 and r50_96 in
 float32, r18_32_b64 and r50_96 in bfloat16.
 """
@@ -132,16 +135,18 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
     compile_s = time.perf_counter() - t0
     state, metrics = compiled(state, batch_arrays, stop)  # warm-up
     jax.block_until_ready((state, metrics))
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         state, metrics = compiled(state, batch_arrays, stop)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     device = jax.devices()[0]
     return dict(
         devices=f"{jax.device_count()}x{device.platform}",
         step_s=times,
+        cpu_s=cpu_times,
         compile_s=compile_s,
         peak_gib=_peak_bytes(device) / 2**30,
         loss=float(metrics["loss"]),
@@ -181,40 +186,63 @@ def _child(job: dict) -> None:
     if job["impl"] == "torch":
         print(json.dumps(run_torch_case(job["case"], job["dtype"], job["steps"], job["queue"])))
         return
+    sys.path.insert(0, ROOT)
     if not os.environ.get("JSSL_XLA_DEFAULTS"):
-        sys.path.insert(0, ROOT)
         from jssl import parallel
 
         parallel.configure_cpu_defaults()
+    if job["impl"] == "plain":
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        import plain_step
+
+        config = _config("moco", CASES[job["case"]], job["dtype"], job["queue"])
+        print(json.dumps(plain_step.run_case(config, job["steps"])))
+        return
     result = run_case(job["case"], job["dtype"], job["steps"], job["method"], job["queue"])
     print(json.dumps(result))
 
 
-def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int) -> None:
-    """jssl's MoCo step, then PyTorch's, case by case, ``rounds`` times; then the ratios."""
-    print(
+def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: bool) -> None:
+    """jssl's MoCo step, then PyTorch's (then the plain JAX step's), case by case, ``rounds``
+    times; then the ratios. The CPU ratio compares the median process CPU seconds per step
+    (all threads), which a machine shared with other jobs distorts less than wall time."""
+    header = (
         f"{'round':>5} {'case':<11} {'dtype':<9} {'jssl pairs/s':>12} {'torch pairs/s':>13}"
-        f" {'jssl/torch':>10} {'jssl compile s':>14} {'torch 1st step s':>16}"
-        f" {'jssl loss':>9} {'torch loss':>10}"
+        f" {'jssl/torch':>10} {'CPU s/step jssl':>15} {'torch':>6} {'CPU jssl/torch':>14}"
+        f" {'jssl compile s':>14} {'torch 1st step s':>16} {'jssl loss':>9} {'torch loss':>10}"
+        f" {'load':>5}"
     )
-    ratios: dict[tuple[str, str], list[float]] = {}
+    if plain:
+        header += f" {'plain pairs/s':>13} {'plain compile s':>15} {'jssl/plain':>10}"
+    print(header)
+    ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in range(rounds):
         for case, dtype in pairs:
             job = dict(case=case, dtype=dtype, steps=steps, method="moco", queue=TORCH_QUEUE)
+            load = os.getloadavg()[0]
             ours = spawn(dict(job, impl="jssl"))
             ref = spawn(dict(job, impl="torch"))
             ratio = ours["per_s"] / ref["per_s"]
-            ratios.setdefault((case, dtype), []).append(ratio)
-            print(
+            cpu_ours, cpu_ref = statistics.median(ours["cpu_s"]), statistics.median(ref["cpu_s"])
+            ratios.setdefault((case, dtype), []).append((ratio, cpu_ref / cpu_ours))
+            line = (
                 f"{r + 1:>5} {case:<11} {dtype:<9} {ours['per_s']:12.1f} {ref['per_s']:13.1f}"
-                f" {ratio:10.2f} {ours['compile_s']:14.1f} {ref['first_s']:16.1f}"
-                f" {ours['loss']:9.3f} {ref['loss']:10.3f}",
-                flush=True,
+                f" {ratio:10.2f} {cpu_ours:15.2f} {cpu_ref:6.2f} {cpu_ref / cpu_ours:14.2f}"
+                f" {ours['compile_s']:14.1f} {ref['first_s']:16.1f} {ours['loss']:9.3f}"
+                f" {ref['loss']:10.3f} {load:5.1f}"
             )
-    print("\njssl / PyTorch pairs/s per round, and their geometric mean:")
+            if plain:
+                p = spawn(dict(job, impl="plain"))
+                line += (
+                    f" {p['per_s']:13.1f} {p['compile_s']:15.1f} {ours['per_s'] / p['per_s']:10.2f}"
+                )
+            print(line, flush=True)
+    print("\njssl / PyTorch per round (pairs/s; CPU s per step), and their geometric means:")
     for (case, dtype), rs in ratios.items():
-        mean = statistics.geometric_mean(rs)
-        print(f"  {case:<11} {dtype:<9} {' '.join(f'{x:.2f}' for x in rs)}  -> {mean:.2f}")
+        wall = statistics.geometric_mean(x for x, _ in rs)
+        cpu = statistics.geometric_mean(c for _, c in rs)
+        per_round = "  ".join(f"{x:.2f}; {c:.2f}" for x, c in rs)
+        print(f"  {case:<11} {dtype:<9} {per_round}  -> {wall:.2f}; {cpu:.2f}")
 
 
 def main() -> None:
@@ -227,6 +255,11 @@ def main() -> None:
     p.add_argument("--compare_cpu_flags", action="store_true")
     p.add_argument("--compare_torch", action="store_true")
     p.add_argument("--rounds", type=int, default=2, help="--compare_torch: rounds of all cases")
+    p.add_argument(
+        "--with_plain",
+        action="store_true",
+        help="--compare_torch: also time a minimal JAX step of the same model (plain_step.py)",
+    )
     p.add_argument(
         "--reference",
         default=None,
@@ -244,7 +277,7 @@ def main() -> None:
         else:
             cases = (args.cases or "r18_32_b64,r18_32,r50_96").split(",")
             pairs = [(c, d) for c in cases for d in (args.dtypes or "float32").split(",")]
-        compare_torch(pairs, args.steps, args.rounds)
+        compare_torch(pairs, args.steps, args.rounds, args.with_plain)
         return
 
     cases = (args.cases or "r18_32,r50_224").split(",")
