@@ -25,7 +25,8 @@ in its own process so that compile caches and XLA flags do not leak between case
 runs jssl then PyTorch, one process at a time, for ``--rounds`` rounds, and prints pairs/s
 (global batch / median step time), the jssl / PyTorch ratio of each round and that of the CPU
 seconds a step takes (all threads; less distorted by other jobs on the machine), and the load
-average when the case started; ``--with_plain``
+average when the case started (PyTorch runs with OMP_WAIT_POLICY=PASSIVE unless it is set, see
+``spawn``); ``--with_plain``
 adds a minimal JAX step of the same model (benchmarks/plain_step.py). Without
 ``--cases``/``--dtypes`` it runs issue 11's five cases: r18_32_b64, r18_32 and r50_96 in
 float32, r18_32_b64 and r50_96 in bfloat16.
@@ -168,6 +169,11 @@ def spawn(job: dict) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     if job.get("default_flags"):
         env["JSSL_XLA_DEFAULTS"] = "1"
+    if job["impl"] == "torch":
+        # PyTorch's OpenMP threads spin while they wait by default: on a machine shared with
+        # other jobs that made its r18_32_b64 step take 5.1-7.1 CPU s instead of 2.7 (one run
+        # each, load 11-13), which would flatter jssl. Set OMP_WAIT_POLICY to override.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     out = subprocess.run(
         [sys.executable, __file__, "--_child", json.dumps(job)],
         env=env,
