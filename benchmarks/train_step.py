@@ -1,51 +1,82 @@
 r"""Images/s, compile time and peak memory of the train step, per method, model and dtype.
 
-  python benchmarks/train_step.py                         # all cases on the present devices
+  python benchmarks/train_step.py                         # all ResNet cases on the present devices
   python benchmarks/train_step.py --cases=r18_32 --steps=5
   python benchmarks/train_step.py --methods=moco,simclr,swav --cases=r18_32 --dtypes=float32
   python benchmarks/train_step.py --compare_cpu_flags     # jssl's CPU XLA flags vs XLA's defaults
+  python benchmarks/train_step.py --compare_torch         # jssl / PyTorch, MoCo v2 (issue 11)
+  python benchmarks/train_step.py --methods=dino,mocov3 --cases=vit_t_32 --dtypes=float32 \
+      --reference=moco:r18_32_b64                         # ViT rows, img/s ratio to MoCo ResNet
 
-Cases: r18_32 = ResNet-18 (CIFAR stem) at 32 px, global batch 256; r50_224 = ResNet-50 at
-224 px, global batch 32; each in float32 and bfloat16. SwAV adds its multi-crop: 2 crops at the
-case's size + 6 small ones (16 px for r18_32, 96 px for r50_224), so its images/s count images
-of 8 crops; DINO takes the same crops (2 global + 6 local) and its 65536-wide head. Barlow
-Twins and VICReg keep their 8192-8192-8192 projectors. Synthetic inputs, so this measures the
-step alone (benchmarks/input_pipeline.py measures the data). Each case runs in its own process
-so that compile caches and XLA flags do not leak between cases.
+Cases (name = trunk, crop size, global batch): r18_32 = ResNet-18 (CIFAR stem) at 32 px, batch
+256; r18_32_b64 the same at batch 64; r50_96 = ResNet-50 at 96 px, batch 32; r50_224 = ResNet-50
+at 224 px, batch 32; vit_t_32 = ViT-Tiny, patch 4, 32 px, batch 64 (a CPU-sized ViT: 8x8
+patches); vit_s16_224 = ViT-S/16 at 224 px, batch 32 (DINO's and MoCo v3's ViT). SwAV adds its
+multi-crop: 2 crops at the case's size + 6 small ones (``small`` px), so its images/s count
+images of 8 crops; DINO takes the same crops (2 global + 6 local) and its 65536-wide head (on a
+ViT: its ViT-S recipe, drop path 0.1). Barlow Twins and VICReg keep their 8192-8192-8192
+projectors; MoCo v3 on a ViT its 4096-4096-256 projector. Synthetic inputs, so this measures
+the step alone (benchmarks/input_pipeline.py measures the data). img/s = global batch / median
+step time (one warm-up step after compiling, then ``--steps`` timed one by one). Each case runs
+in its own process so that compile caches and XLA flags do not leak between cases.
+
+``--compare_torch`` times a plain PyTorch MoCo v2 step with the same shapes
+(benchmarks/torch_reference.py) against jssl's MoCo step, queue 4096 on both sides: each case
+runs jssl then PyTorch, one process at a time, for ``--rounds`` rounds, and prints pairs/s
+(global batch / median step time), the jssl / PyTorch ratio of each round and that of the CPU
+seconds a step takes (all threads; less distorted by other jobs on the machine), and the load
+average when the case started (PyTorch runs with OMP_WAIT_POLICY=PASSIVE unless it is set, see
+``spawn``); ``--with_plain``
+adds a minimal JAX step of the same model (benchmarks/plain_step.py). Without
+``--cases``/``--dtypes`` it runs issue 11's five cases: r18_32_b64, r18_32 and r50_96 in
+float32, r18_32_b64 and r50_96 in bfloat16.
 """
 
 import argparse
 import importlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_R18 = dict(trunk="resnet18", cifar_stem=True, image_size=32, small=16, head=512)
+_R50 = dict(trunk="resnet50", cifar_stem=False, head=2048)
 CASES = {
-    "r18_32": dict(trunk="resnet18", cifar_stem=True, image_size=32, small=16, batch=256, head=512),
-    "r50_224": dict(
-        trunk="resnet50", cifar_stem=False, image_size=224, small=96, batch=32, head=2048
-    ),
+    "r18_32": dict(_R18, batch=256),
+    "r18_32_b64": dict(_R18, batch=64),
+    "r50_96": dict(_R50, image_size=96, small=48, batch=32),
+    "r50_224": dict(_R50, image_size=224, small=96, batch=32),
+    "vit_t_32": dict(trunk="vit_tiny", patch=4, image_size=32, small=16, batch=64, head=192),
+    "vit_s16_224": dict(trunk="vit_small", patch=16, image_size=224, small=96, batch=32, head=384),
 }
+# Issue 11's comparison with PyTorch: (case, dtype) and MoCo's queue on both sides.
+TORCH_CASES = (
+    ("r18_32_b64", "float32"),
+    ("r18_32", "float32"),
+    ("r50_96", "float32"),
+    ("r18_32_b64", "bfloat16"),
+    ("r50_96", "bfloat16"),
+)
+TORCH_QUEUE = 4096
 
 
-def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> dict:
-    """Runs in a child process: builds the method's step and times it."""
-    sys.path.insert(0, ROOT)
-    import jax
-
-    from jssl import data, methods, parallel
-    from jssl.engines.train import init_state, make_optimizer
-    from jssl.train_step import make_train_step, stop_flags
-
-    spec = CASES[case]
-    # MoCo v3's default preset is ViT-S/16; its ResNet recipe fits these cases.
-    preset = "resnet50" if method_name == "mocov3" else ""
-    config = importlib.import_module(f"configs.{method_name}").get_config(preset)
+def _config(method_name: str, spec: dict, dtype: str, queue_size: int):
+    """The method's preset with the case's model, crops and batch."""
+    vit = spec["trunk"].startswith("vit")
+    # MoCo v3's default preset is ViT-S/16, DINO's a ResNet-50: pick the one of the trunk.
+    presets = {"mocov3": "" if vit else "resnet50", "dino": "vit_small" if vit else ""}
+    config = importlib.import_module(f"configs.{method_name}").get_config(
+        presets.get(method_name, "")
+    )
     config.model.trunk = spec["trunk"]
-    config.model.cifar_stem = spec["cifar_stem"]
+    if vit:
+        config.model.patch_size = spec["patch"]
+        config.model.image_size = spec["image_size"]  # the position-embedding grid
+    else:
+        config.model.cifar_stem = spec["cifar_stem"]
     config.model.head_dims = (spec["head"], 2048, 128)
     if method_name == "supervised":
         config.model.head_dims = (spec["head"], 1000)  # the linear classifier
@@ -57,106 +88,235 @@ def run_case(case: str, dtype: str, steps: int, method_name: str = "moco") -> di
     config.data.image_size = spec["image_size"]
     config.data.batch_size = spec["batch"]
     if method_name == "moco":
-        config.method.queue_size = 16384
+        config.method.queue_size = queue_size
     if method_name == "swav":
         config.data.augment.crop_sizes = (spec["image_size"], spec["small"])
     if method_name in ("byol", "simsiam", "mocov3"):  # the predictor's ratio of each paper
         config.method.predictor_dims = (128, 32 if method_name == "simsiam" else 2048, 128)
+    if method_name == "mocov3" and vit:  # the ViT recipe's 4096-4096-256 MLPs (vits.py)
+        config.model.head_dims = (spec["head"], 4096, 4096, 256)
+        config.method.predictor_dims = (256, 4096, 256)
     if method_name == "dino":  # 2 global + 6 local crops, as SwAV's
         config.data.augment.num_crops = (1, 1, 6)
         config.data.augment.crop_sizes = (spec["image_size"], spec["image_size"], spec["small"])
+    return config
+
+
+def _peak_bytes(device=None) -> int:
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use") if device else None
+    if peak is None:  # CPU: the process's peak resident memory
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak
+
+
+def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: int) -> dict:
+    """Runs in a child process: builds the method's step, compiles it and times each step."""
+    sys.path.insert(0, ROOT)
+    import jax
+
+    from jssl import data, methods, parallel
+    from jssl.engines.train import init_state, make_optimizer
+    from jssl.train_step import make_train_step, stop_flags
+
+    spec = CASES[case]
+    config = _config(method_name, spec, dtype, queue_size)
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch=1000)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)
     state = init_state(config, method, tx, mesh)
     step = make_train_step(method, tx, schedule, mesh)
 
-    batch = spec["batch"]
-    host = data.synthetic_batch(config.data, batch)
+    host = data.synthetic_batch(config.data, spec["batch"])
     batch_arrays = parallel.host_batch_to_global(host, mesh)
     stop = stop_flags(mesh, False)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch_arrays, stop).compile()
     compile_s = time.perf_counter() - t0
     state, metrics = compiled(state, batch_arrays, stop)  # warm-up
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
+    jax.block_until_ready((state, metrics))
+    times, cpu_times = [], []
     for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
         state, metrics = compiled(state, batch_arrays, stop)
-    jax.block_until_ready(metrics)
-    elapsed = time.perf_counter() - t0
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     device = jax.devices()[0]
-    stats = device.memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    if peak is None:  # CPU: the process's peak resident memory
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return dict(
-        case=case,
-        dtype=dtype,
         devices=f"{jax.device_count()}x{device.platform}",
-        images_per_s=steps * batch / elapsed,
+        step_s=times,
+        cpu_s=cpu_times,
         compile_s=compile_s,
-        peak_gib=peak / 2**30,
+        peak_gib=_peak_bytes(device) / 2**30,
         loss=float(metrics["loss"]),
     )
 
 
-def spawn(case: str, dtype: str, steps: int, default_flags: bool, method: str = "moco") -> dict:
+def run_torch_case(case: str, dtype: str, steps: int, queue_size: int) -> dict:
+    """Runs in a child process: the PyTorch reference step of the same shapes."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import torch_reference  # imports torch, a development dependency
+
+    result = torch_reference.run_case(CASES[case], dtype, steps, queue_size)
+    return dict(result, peak_gib=_peak_bytes() / 2**30)
+
+
+def spawn(job: dict) -> dict:
+    """Runs ``job`` (keys: impl, case, dtype, steps, method, queue, default_flags) in a fresh
+    process and returns its result with ``per_s`` = global batch / median step time."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    if default_flags:
+    if job.get("default_flags"):
         env["JSSL_XLA_DEFAULTS"] = "1"
+    if job["impl"] == "torch":
+        # PyTorch's OpenMP threads spin while they wait by default: on a machine shared with
+        # other jobs that made its r18_32_b64 step take 5.1-7.1 CPU s instead of 2.7 (one run
+        # each, load 11-13), which would flatter jssl. Set OMP_WAIT_POLICY to override.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     out = subprocess.run(
-        [sys.executable, __file__, "--_child", case, dtype, str(steps), method],
+        [sys.executable, __file__, "--_child", json.dumps(job)],
         env=env,
         capture_output=True,
         text=True,
         check=False,
     )
     if out.returncode:
-        raise RuntimeError(f"case {method}/{case}/{dtype} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"case {job} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["per_s"] = CASES[job["case"]]["batch"] / statistics.median(result["step_s"])
+    return result
+
+
+def _child(job: dict) -> None:
+    if job["impl"] == "torch":
+        print(json.dumps(run_torch_case(job["case"], job["dtype"], job["steps"], job["queue"])))
+        return
+    sys.path.insert(0, ROOT)
+    if not os.environ.get("JSSL_XLA_DEFAULTS"):
+        from jssl import parallel
+
+        parallel.configure_cpu_defaults()
+    if job["impl"] == "plain":
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        import plain_step
+
+        config = _config("moco", CASES[job["case"]], job["dtype"], job["queue"])
+        print(json.dumps(plain_step.run_case(config, job["steps"])))
+        return
+    result = run_case(job["case"], job["dtype"], job["steps"], job["method"], job["queue"])
+    print(json.dumps(result))
+
+
+def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: bool) -> None:
+    """jssl's MoCo step, then PyTorch's (then the plain JAX step's), case by case, ``rounds``
+    times; then the ratios. The CPU ratio compares the median process CPU seconds per step
+    (all threads), which a machine shared with other jobs distorts less than wall time."""
+    header = (
+        f"{'round':>5} {'case':<11} {'dtype':<9} {'jssl pairs/s':>12} {'torch pairs/s':>13}"
+        f" {'jssl/torch':>10} {'CPU s/step jssl':>15} {'torch':>6} {'CPU jssl/torch':>14}"
+        f" {'jssl compile s':>14} {'torch 1st step s':>16} {'jssl loss':>9} {'torch loss':>10}"
+        f" {'load':>5}"
+    )
+    if plain:
+        header += f" {'plain pairs/s':>13} {'plain compile s':>15} {'jssl/plain':>10}"
+    print(header)
+    ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in range(rounds):
+        for case, dtype in pairs:
+            job = dict(case=case, dtype=dtype, steps=steps, method="moco", queue=TORCH_QUEUE)
+            load = os.getloadavg()[0]
+            ours = spawn(dict(job, impl="jssl"))
+            ref = spawn(dict(job, impl="torch"))
+            ratio = ours["per_s"] / ref["per_s"]
+            cpu_ours, cpu_ref = statistics.median(ours["cpu_s"]), statistics.median(ref["cpu_s"])
+            ratios.setdefault((case, dtype), []).append((ratio, cpu_ref / cpu_ours))
+            line = (
+                f"{r + 1:>5} {case:<11} {dtype:<9} {ours['per_s']:12.1f} {ref['per_s']:13.1f}"
+                f" {ratio:10.2f} {cpu_ours:15.2f} {cpu_ref:6.2f} {cpu_ref / cpu_ours:14.2f}"
+                f" {ours['compile_s']:14.1f} {ref['first_s']:16.1f} {ours['loss']:9.3f}"
+                f" {ref['loss']:10.3f} {load:5.1f}"
+            )
+            if plain:
+                p = spawn(dict(job, impl="plain"))
+                line += (
+                    f" {p['per_s']:13.1f} {p['compile_s']:15.1f} {ours['per_s'] / p['per_s']:10.2f}"
+                )
+            print(line, flush=True)
+    print("\njssl / PyTorch per round (pairs/s; CPU s per step), and their geometric means:")
+    for (case, dtype), rs in ratios.items():
+        wall = statistics.geometric_mean(x for x, _ in rs)
+        cpu = statistics.geometric_mean(c for _, c in rs)
+        per_round = "  ".join(f"{x:.2f}; {c:.2f}" for x, c in rs)
+        print(f"  {case:<11} {dtype:<9} {per_round}  -> {wall:.2f}; {cpu:.2f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--cases", default="r18_32,r50_224")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--cases", default=None, help="default r18_32,r50_224")
+    p.add_argument("--dtypes", default=None, help="default float32,bfloat16")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--methods", default="moco", help="comma-separated names of jssl.methods")
+    p.add_argument("--queue_size", type=int, default=16384, help="MoCo's queue")
     p.add_argument("--compare_cpu_flags", action="store_true")
-    p.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--compare_torch", action="store_true")
+    p.add_argument("--rounds", type=int, default=2, help="--compare_torch: rounds of all cases")
+    p.add_argument(
+        "--with_plain",
+        action="store_true",
+        help="--compare_torch: also time a minimal JAX step of the same model (plain_step.py)",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="method:case timed first (first dtype); every row adds its img/s ratio to it",
+    )
+    p.add_argument("--_child", help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if args._child:
-        if not os.environ.get("JSSL_XLA_DEFAULTS"):
-            sys.path.insert(0, ROOT)
-            from jssl import parallel
-
-            parallel.configure_cpu_defaults()
-        case, dtype, steps, method = args._child
-        print(json.dumps(run_case(case, dtype, int(steps), method)))
+        _child(json.loads(args._child))
+        return
+    if args.compare_torch:
+        if args.cases is None and args.dtypes is None:
+            pairs = list(TORCH_CASES)
+        else:
+            cases = (args.cases or "r18_32_b64,r18_32,r50_96").split(",")
+            pairs = [(c, d) for c in cases for d in (args.dtypes or "float32").split(",")]
+        compare_torch(pairs, args.steps, args.rounds, args.with_plain)
         return
 
-    header = f"{'method':<12} {'case':<9} {'dtype':<9} {'devices':<8} {'img/s':>8}"
+    cases = (args.cases or "r18_32,r50_224").split(",")
+    dtypes = (args.dtypes or "float32,bfloat16").split(",")
+    header = f"{'method':<12} {'case':<11} {'dtype':<9} {'devices':<8} {'img/s':>8}"
     header += f" {'compile s':>9} {'peak GiB':>8}"
     if args.compare_cpu_flags:
         header += f" {'img/s XLA defaults':>18} {'speed-up':>8}"
+    if args.reference:
+        header += f" {'ratio':>6}"
     print(header)
-    for method in args.methods.split(","):
-        for case in args.cases.split(","):
-            for dtype in args.dtypes.split(","):
-                r = spawn(case, dtype, args.steps, default_flags=False, method=method)
-                line = (
-                    f"{method:<12} {case:<9} {dtype:<9} {r['devices']:<8} "
-                    f"{r['images_per_s']:8.1f} {r['compile_s']:9.1f} {r['peak_gib']:8.2f}"
-                )
-                if args.compare_cpu_flags:
-                    d = spawn(case, dtype, args.steps, default_flags=True, method=method)
-                    speedup = r["images_per_s"] / d["images_per_s"]
-                    line += f" {d['images_per_s']:18.1f} {speedup:7.2f}x"
-                print(line, flush=True)
+    rows = [(m, c, d) for m in args.methods.split(",") for c in cases for d in dtypes]
+    reference = None
+    if args.reference:
+        ref_method, ref_case = args.reference.split(":")
+        rows.insert(0, (ref_method, ref_case, dtypes[0]))
+    for method, case, dtype in rows:
+        job = dict(
+            impl="jssl", case=case, dtype=dtype, steps=args.steps, method=method,
+            queue=args.queue_size,
+        )  # fmt: skip
+        r = spawn(job)
+        reference = reference or r["per_s"]
+        line = (
+            f"{method:<12} {case:<11} {dtype:<9} {r['devices']:<8} "
+            f"{r['per_s']:8.1f} {r['compile_s']:9.1f} {r['peak_gib']:8.2f}"
+        )
+        if args.compare_cpu_flags:
+            d = spawn(dict(job, default_flags=True))
+            line += f" {d['per_s']:18.1f} {r['per_s'] / d['per_s']:7.2f}x"
+        if args.reference:
+            line += f" {r['per_s'] / reference:6.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
