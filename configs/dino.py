@@ -248,9 +248,12 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     scripts/pretrain/cifar/dino.yaml: LARS eta 0.02 without biases and norms, weight decay
     1e-6; here lr 0.6 per 256 instead of its 0.3, for a run of a few hundred steps).
 
-    Measured (seed 0, 2x32 + 2x16 px crops, out_dim 256, hidden 256, bottleneck 64, BN in the
-    head, teacher temperature 0.02, last layer frozen half an epoch; kNN top-1 random init
-    62.9%; wall times on 2 cores shared with 3-5 other sessions, CPU time is user + sys):
+    This preset from a fresh clone of main (2026-11-24, alone on 2 cores): kNN top-1 learned
+    **80.1%** vs random init 62.9% in 8 min 23 s wall (632 s user + 88 s sys).
+
+    Measured while tuning (seed 0, 2x32 + 2x16 px crops, out_dim 256, hidden 256, bottleneck
+    64, BN in the head, teacher temperature 0.02, last layer frozen half an epoch; kNN top-1
+    random init 62.9%; wall times on 2 cores shared with 3-5 other sessions, CPU time user + sys):
     - this preset (4 epochs) with a kNN test every epoch: 62.3% after epoch 1, 74.2% after
       epoch 2, **80.0%** after epoch 3 (stopped there for time: 736 CPU-s for 196 steps and 4
       kNN passes, 30 min wall at a load of 8-11; the whole run is about 900 CPU-s, some 7.5
