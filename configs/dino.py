@@ -332,12 +332,24 @@ def _demo_vit(c: ml_collections.ConfigDict) -> None:
       entropy 3.7 at step 20, 5.1 at step 60 of log 256 = 5.5; loss 4.8 -> 5.3), kNN 30.8%
       after epoch 1 (stopped; 197 CPU-s for 64 steps and 2 kNN passes). A step of AdamW at
       that rate moves the ViT's 0.02-scale weights by about 5% (LARS in the ResNet demo: 0.6%).
-    NOT YET LEARNING: this preset's values (lr 5e-4 per 256, a quarter of the above, and the
-    ResNet demo's teacher temperature 0.02) are the next attempt and were not measured yet
-    (the shared machine ran one demo at 0.08 steps/s). Next after that: LARS as the ResNet
-    demo, or 2 blocks and more epochs.
+    NOT YET LEARNING. Measured on 2026-11-24 from a fresh clone of main (seed 0, teacher
+    temperature 0.02; wall time alone or with one other job on 2 cores):
+    - this preset (AdamW 5e-4 per 256, 3 epochs, 186 steps): **34.0%** vs 30.2% in 4 min 4 s;
+      the teacher is sharp early (entropy 1.05 at step 20-40) and drifts towards uniform
+      (2.9 at step 160) while the student never follows it (entropy 4.2-4.7, loss 4.3-4.7),
+      the online probe stays near chance (13%);
+    - LARS as the ResNet demo (0.6 per 256, eta 0.02, weight decay 1e-6): the student follows
+      the teacher at first (entropies 2.8 / 0.65 at step 40) then both drift towards uniform
+      (4.6 / 3.6 at step 120): **33.1%** (5 min 10 s);
+    - AdamW 1e-3 per 256, 5 epochs (310 steps): the same drift after step 60, **35.1%** (8 min
+      9 s, one other job running);
+    - AdamW 1e-3 per 256, teacher momentum 0.996 -> 1: slower drift (teacher entropy 2.4 at
+      the end), **34.6%** (5 min 39 s).
+    So within a few hundred CPU steps the ViT gains 3-5 points and no more; DINO on a ViT is
+    known to need long schedules. Next to try: fewer tokens cut further (no local crops), 2
+    blocks and more epochs, a kNN on ``cls_patch_avg`` (DINO's ViT linear-eval features).
     """
-    c.num_epochs = 3  # about 2.5 CPU-s a step (measured with the first run below)
+    c.num_epochs = 3  # about 1.2 steps/s alone on 2 cores, 4 min with the two kNN passes
     c.model.trunk = "vit_tiny"
     c.model.vit_depth = 4
     c.model.patch_size = 8
