@@ -122,7 +122,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     # checkpoint always wins): a jssl workdir, its checkpoints/ dir or one step dir, or a VISSL
     # .torch / torchvision .pth ResNet file. "" = from scratch. Training loads the trunk (it
     # must fit model.*), the heads where shapes fit, and the same weights into a momentum
-    # encoder; evaluation engines load the whole online model.
+    # encoder; evaluation engines load the trunk alone (it must fit model.*; the method's head
+    # is not read, so any method's workdir evaluates) unless a layer asks for "head".
     c.init.checkpoint = ""
     # Parameter-path prefixes that keep their fresh init when training starts from
     # init.checkpoint, e.g. ("head",) or ("head", "trunk/layer4_1") (VISSL's

@@ -13,7 +13,10 @@ Sources (``init.checkpoint``):
 Two users:
 
 - ``load_variables(path, config)``: ``{"params", "batch_stats"}`` of the online model for the
-  evaluation engines; every array must fit the configured model.
+  evaluation engines; every array must fit the configured model. With ``trunk_only=True``
+  (what the engines use unless a ``head`` layer is asked for) only the trunk is read and must
+  fit, so any method's workdir (a DINO or SwAV head, a BYOL predictor) can be evaluated with
+  the MoCo-based evaluation presets and the trunk's ``--config.model.*`` fields.
 - ``jssl.warm_start.init_train_state(config, state)``: a fresh TrainState started from those
   weights, for the train engine when its workdir has nothing to resume; it reads through
   ``read_newest``, ``saved_shapes``, ``read_arrays`` and ``read_torch`` here.
@@ -42,7 +45,7 @@ from etils import epath
 from flax import traverse_util
 from jax.sharding import Mesh
 
-from jssl import checkpoint, methods, parallel
+from jssl import checkpoint, methods, models, parallel
 
 TORCH_SUFFIXES = (".torch", ".pth", ".pt")
 COLLECTIONS = ("params", "batch_stats")  # the model's variables that weights carry
@@ -72,8 +75,19 @@ def abstract_variables(config: ml_collections.ConfigDict, model: Any = None) -> 
     return {name: dict(variables.get(name, {})) for name in COLLECTIONS}
 
 
+def trunk_model(config: ml_collections.ConfigDict) -> models.TrunkAndHead:
+    """The configured trunk alone (``model.head_dims=()``), whatever the method's head."""
+    model_config = ml_collections.ConfigDict(config.model.to_dict())
+    model_config.head_dims = ()
+    return models.build_model(model_config)
+
+
 def load_variables(
-    path: str, config: ml_collections.ConfigDict, *, mesh: Mesh | None = None
+    path: str,
+    config: ml_collections.ConfigDict,
+    *,
+    mesh: Mesh | None = None,
+    trunk_only: bool = False,
 ) -> dict[str, Any]:
     """``{"params", "batch_stats"}`` of ``methods.get(config).model`` loaded from ``path``.
 
@@ -85,6 +99,8 @@ def load_variables(
       config: the run config; ``config.model`` must describe the architecture the weights
         were trained with, ``config.seed`` seeds the random head of imported trunks.
       mesh: the arrays come back replicated over it (default: all devices).
+      trunk_only: read only the trunk (the variables of ``trunk_model(config)``); the saved
+        head, whatever its shape, is neither read nor checked.
 
     Raises:
       WeightsError: nothing readable at ``path``, or the weights do not fit ``config.model``.
@@ -95,22 +111,29 @@ def load_variables(
             "a checkpoint step dir (runs/demo/checkpoints/<step>) or a .torch/.pth file."
         )
     mesh = parallel.make_mesh() if mesh is None else mesh
-    model = methods.get(config).model
+    model = trunk_model(config) if trunk_only else methods.get(config).model
     if path.endswith(TORCH_SUFFIXES):
         return _load_torch(path, config, model, mesh)
     expected = abstract_variables(config, model)
     sharding = parallel.replicated(mesh)
+    # An empty collection (a ViT trunk has no batch_stats) is left out of the restore target:
+    # orbax cannot trim a saved subtree to an empty dict.
     target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), expected
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        {name: tree for name, tree in expected.items() if tree},
     )
 
     def read(state_dir: str) -> dict[str, Any]:
-        _check_architecture(state_dir, saved_shapes(state_dir), expected, config)
+        saved = saved_shapes(state_dir)
+        if trunk_only:
+            saved = {key: shape for key, shape in saved.items() if key[1:2] == ("trunk",)}
+        _check_architecture(state_dir, saved, expected, config)
         return _restore(state_dir, target, ocp.checkpoint_utils.construct_restore_args(target))
 
     state_dir, restored = read_newest(path, read)
-    logging.info("Loaded params and batch_stats of the online model from %s", state_dir)
-    return {name: restored[name] for name in COLLECTIONS}
+    part = "trunk" if trunk_only else "online model"
+    logging.info("Loaded params and batch_stats of the %s from %s", part, state_dir)
+    return {name: restored.get(name, {}) for name in COLLECTIONS}
 
 
 def resolve_checkpoint(path: str) -> str:

@@ -10,9 +10,9 @@ import pytest
 from test_knn import _reference_scores
 from test_launch import enable_compilation_cache, prepare_shared_dirs
 
+from configs import dino, moco
 from configs import knn as knn_config
 from configs import linear_eval as linear_eval_config
-from configs import moco
 from jssl import data, features, knn, parallel, pooling, weights
 from jssl.engines import evaluate, extract, train
 
@@ -57,7 +57,7 @@ def test_knn_from_checkpoint(shared_dirs, trained_workdir, tmp_path):
 
     # The sharded bank gives what the host implementation gives on the same features.
     mesh = parallel.make_mesh()
-    forward = evaluate.trunk_forward(config, mesh)
+    forward = evaluate.trunk_forward(config, mesh, (config.knn.layer,))
     kcfg = config.knn
 
     def host_features(split):
@@ -90,6 +90,48 @@ def _write_split(directory, name, feats, labels, inds, bounds=None):
     np.save(directory / name / "res5_inds.npy", inds.astype(np.int64))
     if bounds is not None:
         extract.write_split_info(str(directory / name), name, bounds, len(inds))
+
+
+def test_evaluation_reads_the_trunk_whatever_the_head(shared_dirs, trained_workdir, tmp_path):
+    """A workdir whose head does not fit the configured one (a DINO, SwAV or BYOL workdir under
+    the MoCo-based evaluation presets) evaluates: the engines read the trunk alone unless the
+    head's output is asked for."""
+    config = knn_config.get_config("test")
+    config.data.data_dir = shared_dirs[0]
+    config.init.checkpoint = trained_workdir
+    whole = weights.load_variables(trained_workdir, config)
+    matching = evaluate.run_knn(config, str(tmp_path / "matching"))
+    config.model.head_dims = (config.model.head_dims[0], 7, 5)
+    with pytest.raises(weights.WeightsError, match="params/head/fc1/kernel"):
+        weights.load_variables(trained_workdir, config)
+    trunk = weights.load_variables(trained_workdir, config, trunk_only=True)
+    assert set(trunk["params"]) == {"trunk"}
+    for name in ("params", "batch_stats"):
+        jax.tree.map(np.testing.assert_array_equal, trunk[name]["trunk"], whole[name]["trunk"])
+    other_head = evaluate.run_knn(config, str(tmp_path / "other_head"))
+    assert other_head == matching
+    # The head's output needs the head it was trained with.
+    config.knn.layer = "head"
+    with pytest.raises(weights.WeightsError, match="does not fit"):
+        evaluate.run_knn(config, str(tmp_path / "head"))
+
+
+def test_knn_on_a_dino_vit_workdir(shared_dirs, tmp_path):
+    """Another method's workdir on a trunk without batch norm: DINO's test ViT with BN in its
+    head (as the ViT demo), so the checkpoint has batch_stats but the trunk none, evaluated by
+    the MoCo-based kNN preset given the trunk's model fields."""
+    config = dino.get_config("test_vit")
+    config.method.use_bn_in_head = True
+    config.data.data_dir = shared_dirs[0]
+    config.num_epochs = 1
+    config.checkpoint.async_save = False
+    train.run(config, str(tmp_path / "dino"))
+    knn_cfg = knn_config.get_config("test")
+    knn_cfg.data.data_dir = shared_dirs[0]
+    knn_cfg.init.checkpoint = str(tmp_path / "dino")
+    knn_cfg.model = config.model
+    results = evaluate.run_knn(knn_cfg, str(tmp_path / "knn"))
+    assert 0.0 < results[f"k{knn_cfg.knn.ks[0]}"]["top1"] <= 100.0
 
 
 def test_knn_from_features_on_disk_matches_brute_force(tmp_path):
@@ -191,9 +233,12 @@ def test_linear_eval_end_to_end(shared_dirs, trained_workdir, tmp_path):
     assert summary["step"] == 64 // 16
     # The frozen trunk is the checkpoint's, bit for bit, after training the heads.
     saved = weights.load_variables(trained_workdir, moco.get_config("test"))
-    jax.tree.map(
-        np.testing.assert_array_equal,
-        jax.device_get(summary["trunk_variables"]),
-        jax.device_get(saved),
-    )
+    frozen = jax.device_get(summary["trunk_variables"])
+    assert set(frozen["params"]) == {"trunk"}  # MoCo's head is not read
+    for name in ("params", "batch_stats"):
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            frozen[name]["trunk"],
+            jax.device_get(saved[name]["trunk"]),
+        )
     assert os.path.isdir(os.path.join(workdir, "checkpoints", str(summary["step"])))

@@ -85,7 +85,7 @@ def _sharded_knn(config: ml_collections.ConfigDict, max_k: int):
     kcfg = config.knn
     parallel.check_batch_divisible(kcfg.batch_size)
     mesh = parallel.make_mesh()
-    forward = trunk_forward(config, mesh)
+    forward = trunk_forward(config, mesh, (kcfg.layer,))
     pool = jax.jit(pooling.get_pool(kcfg.pool, kcfg.layer))
 
     def batches(split: str):
@@ -269,24 +269,31 @@ def _read_layers(split_dir: str, split: str, layers: Sequence[str]) -> features.
 
 
 def trunk_forward(
-    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, layers: Sequence[str]
 ) -> Callable[[jax.Array], Mapping[str, jax.Array]]:
     """Eval-mode taps of the model in ``init.checkpoint`` on a sharded image batch."""
-    model, variables = load_frozen_model(config, mesh)
+    model, variables = load_frozen_model(config, mesh, layers)
     apply = jax.jit(lambda v, images: model.apply(v, images, train=False))
     return lambda images: apply(variables, images)
 
 
-def load_frozen_model(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
-    """(flax model, replicated variables) of the online network in ``init.checkpoint``."""
+def load_frozen_model(
+    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, layers: Sequence[str]
+):
+    """(flax model, replicated variables) of the online network in ``init.checkpoint``: the
+    trunk alone unless ``layers`` asks for the ``head`` output, so a workdir of any method
+    (its own head, predictor or prototypes) is evaluated with the trunk's model fields."""
     if not config.init.checkpoint:
         raise ValueError(
             f"engine={config.engine!r} evaluates a trained model: set "
             "--config.init.checkpoint to a jssl workdir (or checkpoint step dir, or a VISSL "
             ".torch / torchvision .pth file), or use features already extracted to disk."
         )
-    model = methods.get(config).model
-    variables = weights.load_variables(config.init.checkpoint, config, mesh=mesh)
+    trunk_only = "head" not in layers
+    model = weights.trunk_model(config) if trunk_only else methods.get(config).model
+    variables = weights.load_variables(
+        config.init.checkpoint, config, mesh=mesh, trunk_only=trunk_only
+    )
     logging.info("Evaluating the frozen weights of %s.", config.init.checkpoint)
     return model, variables
 

@@ -320,9 +320,11 @@ def run_extract_features(config: ml_collections.ConfigDict, workdir: str) -> dic
         raise ValueError("Set extract.layers and extract.splits, e.g. layers=('avgpool',).")
     pools = pooling.layer_pools(ecfg.pool, layers)
     mesh = parallel.make_mesh()
-    model = methods.get(config).model
+    # The trunk alone unless the head's output is asked for (see evaluate.load_frozen_model).
+    trunk_only = "head" not in layers
+    model = weights.trunk_model(config) if trunk_only else methods.get(config).model
     path = _checkpoint_path(config, workdir)
-    variables = weights.load_variables(path, config, mesh=mesh)
+    variables = weights.load_variables(path, config, mesh=mesh, trunk_only=trunk_only)
     extract_fn = make_extract_fn(model, layers, pools)
     if jax.process_index() == 0:
         os.makedirs(os.path.join(workdir, "features"), exist_ok=True)

@@ -166,7 +166,7 @@ class _Inputs:
 def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
     lcfg = config.linear
     layers = tuple(lcfg.layers)
-    model, trunk = evaluate.load_frozen_model(config, mesh)
+    model, trunk = evaluate.load_frozen_model(config, mesh, layers)
     pools = pooling.layer_pools(lcfg.pool, layers)
 
     def features_fn(trunk_variables: PyTree, images: jax.Array) -> dict[str, jax.Array]:
