@@ -225,7 +225,7 @@ def test_demo_presets_are_cpu_sized():
     assert m.trunk == "vit_tiny" and 0 < m.vit_depth < 12 and m.image_size == 32
     assert m.patch_size in (4, 8) and all(size % m.patch_size == 0 for size in a.crop_sizes)
     assert o.name == "adamw" and o.grad_clip_per_parameter == 3.0
-    # The ViT takes the global crops on its 32 px grid and the local ones resampled.
+    # The ViT takes the global crops on its 32 px grid (and local ones, if set, resampled).
     method = methods.get(vit, steps_per_epoch=4)
     crops = [jnp.zeros((2, size, size, 3)) for size in a.crop_sizes]
     variables = method.model.init(jax.random.key(0), crops, train=False)
