@@ -27,7 +27,9 @@ runs jssl then PyTorch, one process at a time, for ``--rounds`` rounds, and prin
 seconds a step takes (all threads; less distorted by other jobs on the machine), and the load
 average when the case started (PyTorch runs with OMP_WAIT_POLICY=PASSIVE unless it is set, see
 ``spawn``); ``--with_plain``
-adds a minimal JAX step of the same model (benchmarks/plain_step.py). Without
+adds a minimal JAX step of the same model (benchmarks/plain_step.py) and the ratios of the two
+steps' compile times (``jit(...).lower(...).compile()``), wall and process CPU seconds: the
+CPU ratio moves less when other jobs share the machine. Without
 ``--cases``/``--dtypes`` it runs issue 11's five cases: r18_32_b64, r18_32 and r50_96 in
 float32, r18_32_b64 and r50_96 in bfloat16.
 """
@@ -131,9 +133,9 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
     host = data.synthetic_batch(config.data, spec["batch"])
     batch_arrays = parallel.host_batch_to_global(host, mesh)
     stop = stop_flags(mesh, False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     compiled = step.lower(state, batch_arrays, stop).compile()
-    compile_s = time.perf_counter() - t0
+    compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     state, metrics = compiled(state, batch_arrays, stop)  # warm-up
     jax.block_until_ready((state, metrics))
     times, cpu_times = [], []
@@ -149,6 +151,7 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
         step_s=times,
         cpu_s=cpu_times,
         compile_s=compile_s,
+        compile_cpu_s=compile_cpu_s,
         peak_gib=_peak_bytes(device) / 2**30,
         loss=float(metrics["loss"]),
     )
@@ -220,6 +223,7 @@ def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: 
     )
     if plain:
         header += f" {'plain pairs/s':>13} {'plain compile s':>15} {'jssl/plain':>10}"
+        header += f" {'compile jssl/plain':>18} {'CPU':>5}"
     print(header)
     ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in range(rounds):
@@ -241,6 +245,8 @@ def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: 
                 p = spawn(dict(job, impl="plain"))
                 line += (
                     f" {p['per_s']:13.1f} {p['compile_s']:15.1f} {ours['per_s'] / p['per_s']:10.2f}"
+                    f" {ours['compile_s'] / p['compile_s']:18.2f}"
+                    f" {ours['compile_cpu_s'] / p['compile_cpu_s']:5.2f}"
                 )
             print(line, flush=True)
     print("\njssl / PyTorch per round (pairs/s; CPU s per step), and their geometric means:")

@@ -26,8 +26,18 @@ from jssl.train_state import TrainState
 
 
 def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+    """Whether every element of every leaf is finite, as one scalar.
+
+    The per-leaf flags are combined by counting the non-finite leaves (an int32 sum), not by
+    ``jnp.all`` over the stacked flags: XLA rewrites that boolean reduction into a chain of
+    ``and``s that it then fuses, duplicated, into each of the guard's per-leaf selects; for
+    ResNet-18's MoCo step that was 55k HLO instructions instead of 21k and about 4 s more
+    XLA compile time on a 2-core CPU. A sum stays one reduction computed once.
+    """
+    leaves = [jnp.any(~jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.sum(jnp.stack(leaves).astype(jnp.int32)) == 0
 
 
 def make_train_step(
