@@ -109,7 +109,7 @@ def init_state(
     return LinearState(
         step=jnp.zeros((), jnp.int32),
         params=variables["params"],
-        batch_stats=variables["batch_stats"],
+        batch_stats=variables.get("batch_stats", {}),
         opt_state=tx.init(variables["params"]),
     )
 

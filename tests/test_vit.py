@@ -327,3 +327,29 @@ def test_sincos_position_embeddings_are_moco_v3s():
         jax.random.key(0), jnp.zeros((1, 48, 48, 3)), train=False
     )
     np.testing.assert_allclose(fixed["params"]["pos_embed"], vit.sincos_pos_embed(3, 192))
+
+
+@pytest.mark.parametrize(
+    "name", ["moco", "simclr", "swav", "byol", "barlow_twins", "vicreg", "supervised"]
+)
+def test_every_method_starts_on_a_vit_without_batch_norm(name):
+    """A ViT trunk under a BN-free head has no batch_stats at all; every method's state must
+    start from that (MoCo v2 on a ViT failed with KeyError 'batch_stats')."""
+    import importlib
+
+    from jssl import methods
+
+    config = importlib.import_module(f"configs.{name}").get_config("test")
+    m = config.model
+    m.trunk, m.vit_depth, m.patch_size = "vit_tiny", 1, 8
+    m.image_size = config.data.image_size
+    m.head_bn = m.head_last_bn = False
+    if m.head_dims:
+        m.head_dims = (192, *tuple(m.head_dims)[1:])
+    method = methods.get(config, steps_per_epoch=4)
+    size = config.data.image_size
+    fields = jax.eval_shape(
+        method.init, jax.random.key(0), jnp.zeros((1, size, size, 3), jnp.float32)
+    )
+    assert fields["params"]["trunk"]["cls_token"].shape == (1, 1, 192)
+    assert "trunk" not in fields.get("batch_stats", {})  # BYOL's predictor may keep its BN

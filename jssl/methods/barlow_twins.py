@@ -57,7 +57,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         variables = model.init(rng, images, train=False)
-        return dict(params=variables["params"], batch_stats=variables["batch_stats"])
+        return dict(params=variables["params"], batch_stats=variables.get("batch_stats", {}))
 
     def loss(params, state, batch, rng, train: bool = True):
         out, batch_stats = common.forward_crops(

@@ -83,7 +83,7 @@ def init_online_and_target(model: Any, predictor: Any, rng: jax.Array, images: j
         params=params,
         batch_stats=batch_stats,
         ema_params=jax.tree.map(jnp.copy, variables["params"]),
-        ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
+        ema_batch_stats=jax.tree.map(jnp.copy, variables.get("batch_stats", {})),
     )
 
 

@@ -46,10 +46,10 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         return dict(
             params=variables["params"],
-            batch_stats=variables["batch_stats"],
+            batch_stats=variables.get("batch_stats", {}),
             # The key encoder starts as a copy of the query encoder (MoCo Alg. 1).
             ema_params=jax.tree.map(jnp.copy, variables["params"]),
-            ema_batch_stats=jax.tree.map(jnp.copy, variables["batch_stats"]),
+            ema_batch_stats=jax.tree.map(jnp.copy, variables.get("batch_stats", {})),
             method_state={"queue": queue, "queue_ptr": jnp.zeros((), jnp.int32)},
         )
 

@@ -120,7 +120,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
                     f"its taps are {sorted(t for t in tapped if t != 'head')}."
                 )
             params = {**params, CLASSIFIERS: classifiers.init(classifier_rng, tapped)["params"]}
-        return dict(params=params, batch_stats=variables["batch_stats"])
+        return dict(params=params, batch_stats=variables.get("batch_stats", {}))
 
     def loss(params, state, batch, rng, train: bool = True):
         (images,) = common.views(batch)

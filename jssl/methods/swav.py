@@ -124,7 +124,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             }
         return dict(
             params={**variables["params"], "prototypes": proto},
-            batch_stats=variables["batch_stats"],
+            batch_stats=variables.get("batch_stats", {}),
             method_state=method_state,
         )
 
