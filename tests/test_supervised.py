@@ -115,14 +115,15 @@ def test_bad_settings_name_the_field(field, value, message, shared_dirs):
         train.validate(config)
 
 
-def test_head_learning_rate_applies_in_the_trainer():
-    # The train engine's optimizer with the head at 10x: one SGD step on equal gradients
-    # moves every head weight 10x as far as every trunk weight.
+def one_sgd_update(param_groups: tuple, weight_decay: float, gradient: float):
+    """The train engine's optimizer for the supervised test preset (SGD, constant rate) given
+    ``param_groups``: one update of parameters all 0.5 under gradients all ``gradient``.
+    Returns (updates, the base learning rate)."""
     config = supervised.get_config("test")
     config.optim.update_from_flattened_dict(
         {
-            "param_groups": (("head", 10.0),),
-            "weight_decay": 0.0,
+            "param_groups": param_groups,
+            "weight_decay": weight_decay,
             "nesterov": False,
             "schedule": "constant",
         }
@@ -132,8 +133,16 @@ def test_head_learning_rate_applies_in_the_trainer():
     size = config.data.image_size
     shapes = jax.eval_shape(method.init, jax.random.PRNGKey(0), jnp.zeros((1, size, size, 3)))
     params = jax.tree.map(lambda x: jnp.full(x.shape, 0.5), shapes["params"])
-    updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, gradient), params)
+    updates, _ = tx.update(grads, tx.init(params), params)
     lr = config.optim.base_lr * config.data.batch_size / config.optim.base_lr_batch_size
+    return updates, lr
+
+
+def test_head_learning_rate_applies_in_the_trainer():
+    # The train engine's optimizer with the head at 10x: one SGD step on equal gradients
+    # moves every head weight 10x as far as every trunk weight.
+    updates, lr = one_sgd_update((("head", 10.0),), weight_decay=0.0, gradient=1.0)
     for leaf in jax.tree.leaves(updates["trunk"]):
         np.testing.assert_allclose(leaf, -lr, rtol=1e-6)
     for leaf in jax.tree.leaves(updates["head"]):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_supervised import one_sgd_update
 
 from configs import base, supervised
 from jssl import data, losses, methods, parallel
@@ -153,22 +154,7 @@ def test_finetune_full_preset_gives_the_head_its_own_weight_decay():
 def test_head_weight_decay_applies_in_the_trainer():
     # Zero gradients: one SGD step is the weight decay alone, the head's 0.3 (its bias too,
     # regularize_bias), the trunk's convolutions 0.1, its batch norm none (regularize_bn).
-    config = supervised.get_config("test")
-    config.optim.update_from_flattened_dict(
-        {
-            "param_groups": (("head", 1.0, 0.3),),
-            "weight_decay": 0.1,
-            "nesterov": False,
-            "schedule": "constant",
-        }
-    )
-    method = methods.get(config, steps_per_epoch=4)
-    tx, _ = train.make_optimizer(config, method, steps_per_epoch=4)
-    size = config.data.image_size
-    shapes = jax.eval_shape(method.init, jax.random.PRNGKey(0), jnp.zeros((1, size, size, 3)))
-    params = jax.tree.map(lambda x: jnp.full(x.shape, 0.5), shapes["params"])
-    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
-    lr = config.optim.base_lr * config.data.batch_size / config.optim.base_lr_batch_size
+    updates, lr = one_sgd_update((("head", 1.0, 0.3),), weight_decay=0.1, gradient=0.0)
     for leaf in jax.tree.leaves(updates["head"]):
         np.testing.assert_allclose(leaf, -lr * 0.3 * 0.5, rtol=1e-6)
     flat = jax.tree_util.tree_leaves_with_path(updates["trunk"])
