@@ -6,18 +6,19 @@ main_moco.py's defaults; moco/builder.py). VISSL has no MoCo v3.
       --config.data.source=tfds --config.data.name=imagenet2012      # ViT-S/16, 300 epochs
   python launch.py --config=configs/mocov3.py:resnet50 --workdir=runs/mocov3_r50  # 100 epochs
   python launch.py --config=configs/mocov3.py:demo --workdir=runs/mocov3_demo   # CPU, minutes
+  python launch.py --config=configs/mocov3.py:demo_vit --workdir=runs/mocov3_vit  # the same, ViT
 
 Presets: "" / "imagenet" / "vit_small" (ViT-S/16, 300 epochs, AdamW: the paper's main recipe),
 "vit_base" (ViT-B/16, same recipe), "resnet50" (ResNet-50, 100 epochs, LARS), "demo" (small
 ResNet-18 on the built-in demo data at 32 px; prints the kNN accuracy of learned vs random
-features), "test" (tiny).
+features), "demo_vit" (the demo on a 4-block ViT-Tiny with AdamW), "test" (tiny).
 """
 
 import ml_collections
 
 from configs import base
 
-PRESETS = ("", "imagenet", "vit_small", "vit_base", "resnet50", "demo", "test")
+PRESETS = ("", "imagenet", "vit_small", "vit_base", "resnet50", "demo", "demo_vit", "test")
 # ViT widths: the class token feeds the projector (vits.py vit_small / vit_base: embed_dim).
 VIT_WIDTH = {"vit_small": 384, "vit_base": 768}
 
@@ -99,9 +100,11 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         _vit(c, "vit_base")  # -a vit_base; every other value as ViT-S (CONFIG.md)
     elif preset == "resnet50":
         _resnet50(c)
-    elif preset in ("demo", "test"):
+    elif preset in ("demo", "demo_vit", "test"):
         _resnet50(c)
         _demo(c)
+        if preset == "demo_vit":
+            _demo_vit(c)
         if preset == "test":
             base.tiny(c)
             c.method.predictor_dims = (16, 32, 16)
@@ -172,3 +175,39 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.method.base_momentum = 0.95
     base.demo_two_views(c)
     base.demo_lars(c, base_lr=0.3, weight_decay=1e-6)
+
+
+def _demo_vit(c: ml_collections.ConfigDict) -> None:
+    """The demo (data, views, projector and predictor widths, T 0.2, tau 0.95) on a ViT as
+    the DINO ViT demo's: ViT-Tiny (width 192) cut to 4 blocks, 8 px patches at 32 px (16
+    tokens + the class token), MoCo v3's fixed 2-D sin-cos position embeddings, and the
+    paper's ViT optimizer, AdamW, at a demo's rate: 3e-3 per 256 (the paper: 1.5e-4, for
+    300 epochs), weight decay 0.05 (the paper: 0.1), 5 epochs = 310 steps, 1-epoch warmup.
+
+    Measured on 2026-11-24 (seed 0, kNN top-1 learned vs random init 30.0%; 2 cores, alone):
+    - AdamW 1e-3 per 256, patch projection trained: 39.1% (4 min 11 s); the loss barely left
+      chance (3.88 -> 3.83);
+    - AdamW 3e-3 per 256, patch projection trained (this preset): **48.4%** (4 min 43 s;
+      loss 3.92 -> 3.51);
+    - the same with the patch projection frozen at its random init (the paper's ViT recipe):
+      41.1% (4 min 34 s; loss 3.91 -> 3.65).
+    Deliberate difference from the paper's ViT recipe: the patch projection trains (the
+    frozen one learned less in a few hundred steps; its purpose, stability over long runs at
+    large batches, does not arise here).
+    """
+    m = c.model
+    m.trunk = "vit_tiny"
+    m.vit_depth = 4
+    m.patch_size = 8
+    m.image_size = 32
+    m.drop_path_rate = 0.0
+    m.pos_embed_init = "sincos"
+    m.zero_init_residual = False
+    m.head_dims = (192, 256, 64)
+    c.method.freeze_patch_embed = False  # see above
+    c.num_epochs = 5
+    o = c.optim
+    o.name = "adamw"
+    o.betas = (0.9, 0.999)
+    o.base_lr = 3e-3
+    o.weight_decay = 0.05

@@ -166,7 +166,10 @@ def test_presets_follow_the_reference():
     )
     assert o.trust_ratio_exclude == "bias_and_norm" and not o.regularize_bn
     assert r50.num_epochs == 100 and r50.data.augment.crop_scale == (0.2, 1.0)
-    for preset in ("resnet50", "demo", "test"):
+    vit_demo = mocov3.get_config("demo_vit")
+    assert vit_demo.model.trunk == "vit_tiny" and vit_demo.data.source == "demo"
+    assert vit_demo.knn.enabled and vit_demo.optim.name == "adamw"
+    for preset in ("resnet50", "demo", "demo_vit", "test"):
         methods.check_config(mocov3.get_config(preset))
     with pytest.raises(ValueError, match="Unknown preset"):
         mocov3.get_config("nope")
