@@ -365,12 +365,7 @@ def _demo_vit(c: ml_collections.ConfigDict) -> None:
     a.crop_scale = ((0.3, 1.0), (0.3, 1.0))
     a.solarize_prob = (0.0, 0.2)
     c.method.teacher_momentum = 0.996  # DINO's momentum_teacher (run F)
-    c.model.trunk = "vit_tiny"
-    c.model.vit_depth = 4
-    c.model.patch_size = 8
-    c.model.image_size = 32
-    c.model.drop_path_rate = 0.0  # a few hundred steps: nothing to regularise
-    c.model.pos_embed_init = "learned"
+    base.demo_vit_trunk(c, pos_embed_init="learned")
     o = c.optim
     o.name = "adamw"
     o.betas = (0.9, 0.999)

@@ -195,15 +195,9 @@ def _demo_vit(c: ml_collections.ConfigDict) -> None:
     frozen one learned less in a few hundred steps; its purpose, stability over long runs at
     large batches, does not arise here).
     """
-    m = c.model
-    m.trunk = "vit_tiny"
-    m.vit_depth = 4
-    m.patch_size = 8
-    m.image_size = 32
-    m.drop_path_rate = 0.0
-    m.pos_embed_init = "sincos"
-    m.zero_init_residual = False
-    m.head_dims = (192, 256, 64)
+    base.demo_vit_trunk(c, pos_embed_init="sincos")
+    c.model.zero_init_residual = False
+    c.model.head_dims = (192, 256, 64)
     c.method.freeze_patch_embed = False  # see above
     c.num_epochs = 5
     o = c.optim
