@@ -28,8 +28,9 @@ seconds a step takes (all threads; less distorted by other jobs on the machine),
 average when the case started (PyTorch runs with OMP_WAIT_POLICY=PASSIVE unless it is set, see
 ``spawn``); ``--with_plain``
 adds a minimal JAX step of the same model (benchmarks/plain_step.py) and the ratios of the two
-steps' compile times (``jit(...).lower(...).compile()``), wall and process CPU seconds: the
-CPU ratio moves less when other jobs share the machine. Without
+steps' compile times (``jit(...).lower(...).compile()``, tracing included), wall and process
+CPU seconds (the CPU ratio moves less when other jobs share the machine), and of their
+processes' peak resident memory (both import the same modules). Without
 ``--cases``/``--dtypes`` it runs issue 11's five cases: r18_32_b64, r18_32 and r50_96 in
 float32, r18_32_b64 and r50_96 in bfloat16.
 """
@@ -104,13 +105,16 @@ def _config(method_name: str, spec: dict, dtype: str, queue_size: int):
     return config
 
 
+def _host_peak_bytes() -> int:
+    """The process's peak resident memory (RSS)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _peak_bytes(device=None) -> int:
     peak = (device.memory_stats() or {}).get("peak_bytes_in_use") if device else None
-    if peak is None:  # CPU: the process's peak resident memory
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return peak
+    return _host_peak_bytes() if peak is None else peak  # CPU: the process's peak RSS
 
 
 def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: int) -> dict:
@@ -153,6 +157,7 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
         compile_s=compile_s,
         compile_cpu_s=compile_cpu_s,
         peak_gib=_peak_bytes(device) / 2**30,
+        host_peak_gib=_host_peak_bytes() / 2**30,
         loss=float(metrics["loss"]),
     )
 
@@ -196,16 +201,22 @@ def _child(job: dict) -> None:
         print(json.dumps(run_torch_case(job["case"], job["dtype"], job["steps"], job["queue"])))
         return
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     if not os.environ.get("JSSL_XLA_DEFAULTS"):
         from jssl import parallel
 
         parallel.configure_cpu_defaults()
-    if job["impl"] == "plain":
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-        import plain_step
+    # Both JAX steps' processes import the same modules (jssl's train engine brings
+    # TensorFlow), so that their peak RSS differs only by what building and running the step
+    # holds: --with_plain compares the two.
+    import plain_step
 
+    from jssl.engines import train  # noqa: F401
+
+    if job["impl"] == "plain":
         config = _config("moco", CASES[job["case"]], job["dtype"], job["queue"])
-        print(json.dumps(plain_step.run_case(config, job["steps"])))
+        result = plain_step.run_case(config, job["steps"])
+        print(json.dumps(dict(result, host_peak_gib=_host_peak_bytes() / 2**30)))
         return
     result = run_case(job["case"], job["dtype"], job["steps"], job["method"], job["queue"])
     print(json.dumps(result))
@@ -224,8 +235,10 @@ def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: 
     if plain:
         header += f" {'plain pairs/s':>13} {'plain compile s':>15} {'jssl/plain':>10}"
         header += f" {'compile jssl/plain':>18} {'CPU':>5}"
+        header += f" {'RSS GiB jssl':>12} {'plain':>6} {'RSS jssl/plain':>14}"
     print(header)
     ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    plain_ratios: dict[tuple[str, str], list[tuple[float, ...]]] = {}
     for r in range(rounds):
         for case, dtype in pairs:
             job = dict(case=case, dtype=dtype, steps=steps, method="moco", queue=TORCH_QUEUE)
@@ -243,10 +256,17 @@ def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: 
             )
             if plain:
                 p = spawn(dict(job, impl="plain"))
+                versus = (
+                    ours["per_s"] / p["per_s"],
+                    ours["compile_s"] / p["compile_s"],
+                    ours["compile_cpu_s"] / p["compile_cpu_s"],
+                    ours["host_peak_gib"] / p["host_peak_gib"],
+                )
+                plain_ratios.setdefault((case, dtype), []).append(versus)
                 line += (
-                    f" {p['per_s']:13.1f} {p['compile_s']:15.1f} {ours['per_s'] / p['per_s']:10.2f}"
-                    f" {ours['compile_s'] / p['compile_s']:18.2f}"
-                    f" {ours['compile_cpu_s'] / p['compile_cpu_s']:5.2f}"
+                    f" {p['per_s']:13.1f} {p['compile_s']:15.1f} {versus[0]:10.2f}"
+                    f" {versus[1]:18.2f} {versus[2]:5.2f} {ours['host_peak_gib']:12.2f}"
+                    f" {p['host_peak_gib']:6.2f} {versus[3]:14.2f}"
                 )
             print(line, flush=True)
     print("\njssl / PyTorch per round (pairs/s; CPU s per step), and their geometric means:")
@@ -255,6 +275,12 @@ def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: 
         cpu = statistics.geometric_mean(c for _, c in rs)
         per_round = "  ".join(f"{x:.2f}; {c:.2f}" for x, c in rs)
         print(f"  {case:<11} {dtype:<9} {per_round}  -> {wall:.2f}; {cpu:.2f}")
+    if plain_ratios:
+        print("\njssl / plain JAX step, geometric means of the rounds (pairs/s; compile wall;")
+        print("compile CPU; peak RSS):")
+        for (case, dtype), rs in plain_ratios.items():
+            means = [statistics.geometric_mean(r[i] for r in rs) for i in range(4)]
+            print(f"  {case:<11} {dtype:<9} " + "; ".join(f"{m:.2f}" for m in means))
 
 
 def main() -> None:

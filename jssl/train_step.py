@@ -75,33 +75,48 @@ def make_train_step(
         loss = jax.lax.pmean(loss, DATA_AXIS)
         metrics = jax.lax.pmean(out.metrics, DATA_AXIS)
 
-        param_updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        new_state = state.replace(
-            step=state.step + 1,
-            params=optax.apply_updates(state.params, param_updates),
-            opt_state=opt_state,
-        )
+        batch_stats = None
         if out.batch_stats is not None:
             # Per-device statistics (sync_bn=False) differ; their mean keeps the replicated
             # state consistent (with sync_bn they are equal and this is a no-op).
-            new_state = new_state.replace(batch_stats=mean_over_devices(out.batch_stats))
-        if method.after_update is not None:
-            new_state = method.after_update(new_state, out.carry)
-        finite = jnp.isfinite(loss) & _all_finite(grads)
+            batch_stats = mean_over_devices(out.batch_stats)
+        new_probe = None
+        checked = (loss, grads)
         if probe_config is not None and state.probe:
             new_probe, probe_metrics = online_probe.update(
                 probe_config, state.probe, out.features, batch["label"], DATA_AXIS
             )
-            new_state = new_state.replace(probe=new_probe)
             metrics = dict(metrics, **probe_metrics)
-            finite = finite & jnp.isfinite(probe_metrics["probe/loss"])
+            checked = (*checked, probe_metrics["probe/loss"])
+        finite = _all_finite(checked)
+
+        def updated(state):
+            param_updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            new_state = state.replace(
+                step=state.step + 1,
+                params=optax.apply_updates(state.params, param_updates),
+                opt_state=opt_state,
+            )
+            if batch_stats is not None:
+                new_state = new_state.replace(batch_stats=batch_stats)
+            if method.after_update is not None:
+                new_state = method.after_update(new_state, out.carry)
+            if new_probe is not None:
+                new_state = new_state.replace(probe=new_probe)
+            return new_state
+
+        def kept(state):
+            first_bad = jnp.where(state.nonfinite_step >= 0, state.nonfinite_step, state.step)
+            return state.replace(nonfinite_step=first_bad)
 
         # A non-finite loss or gradient (the method's or the online probe's) keeps the
         # previous state and records the step, so the host can stop with a precise message
         # and the last checkpoint stays valid.
-        first_bad = jnp.where(state.nonfinite_step >= 0, state.nonfinite_step, state.step)
-        kept = state.replace(nonfinite_step=first_bad)
-        new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, kept)
+        # One cond rather than a select per leaf of the state: the selects (and the flag each
+        # recomputed) were a fifth of the step's HLO instructions (ResNet-18 MoCo: 16.9k,
+        # 13.7k with the cond) and 1.5-2 s of its compile time on 2 CPU cores; the step is no
+        # slower. Every replica takes the same branch: ``finite`` comes from pmeans.
+        new_state = jax.lax.cond(finite, updated, kept, state)
 
         metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))
         metrics["stop"] = jax.lax.pmax(jnp.max(stop), DATA_AXIS)

@@ -112,6 +112,29 @@ def test_bfloat16_step_keeps_float32_state_and_loss():
     assert int(new.step) == 1 and int(new.nonfinite_step) == -1
 
 
+def test_non_finite_step_keeps_every_part_of_the_state():
+    """A NaN in the queue makes the loss NaN: the step keeps params, optimizer, BN, EMA, queue
+    and probe as they were, records the first bad step and does not count the update."""
+    from jssl.train_step import make_train_step
+
+    config = moco.get_config("test")
+    mesh = parallel.make_mesh()
+    method = methods.get(config)
+    tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
+    state = init_state(config, method, tx, mesh)
+    step = make_train_step(method, tx, schedule, mesh, probe_config=config)
+    batch = data.synthetic_batch(config.data, 16)
+    global_batch = parallel.host_batch_to_global(batch, mesh)
+    state, _ = step(state, global_batch)  # one good step
+    queue = state.method_state["queue"].at[0, 0].set(jnp.nan)
+    state = state.replace(method_state=dict(state.method_state, queue=queue))
+    before = jax.device_get(state.replace(nonfinite_step=jnp.int32(1)))
+    for _ in range(2):  # the second keeps the first bad step
+        state, metrics = step(state, global_batch)
+        assert not np.isfinite(float(metrics["loss"]))
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), before)
+
+
 def test_cosine_momentum_schedule():
     from jssl.methods import common
 

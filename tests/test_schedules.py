@@ -209,3 +209,22 @@ def test_bad_schedule_settings_name_the_field():
         optim.build_schedule(_cfg(schedule="cosine", interval_scaling="fixd"), **kw)
     with pytest.raises(ValueError, match="optim.warmup_epochs"):
         optim.build_schedule(_cfg(schedule="cosine", warmup_epochs=10), **kw)
+
+
+def test_computed_once_keeps_the_values_and_compiles_the_rate_once():
+    """The optimizer's rate is evaluated once in the compiled step, not in every parameter's
+    update fusion (XLA's CPU fusion copies cheap scalar ops into each consumer)."""
+    config = _cfg(schedule="multistep", milestones=(2, 3), gamma=0.1, update_interval="epoch")
+    schedule = schedules.build_schedule(config, steps_per_epoch=10, num_epochs=4, global_batch=256)
+    once = schedules.computed_once(schedule)
+    steps = jnp.arange(45)
+    np.testing.assert_array_equal(jax.vmap(once)(steps), jax.vmap(schedule)(steps))
+
+    leaves = [jnp.ones((8 + i, 4)) for i in range(12)]
+
+    def signs(rate) -> int:  # the multistep rate's ops include one sign per milestone
+        update = jax.jit(lambda step, leaves: [rate(step) * x for x in leaves])
+        return update.lower(jnp.int32(0), leaves).compile().as_text().count(" sign(")
+
+    assert signs(schedule) >= len(leaves)  # what computed_once avoids
+    assert signs(once) <= 4

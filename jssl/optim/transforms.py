@@ -16,6 +16,7 @@ from jssl.schedules import (  # noqa: F401  (the schedule API, re-exported)
     SCHEDULES,
     Schedule,
     build_schedule,
+    computed_once,
     peak_learning_rate,
     warmup_start_learning_rate,
 )
@@ -238,6 +239,9 @@ def build_optimizer(
         regularize_bias=optim_config.regularize_bias,
     )
     wd = weight_decay_schedule(optim_config, steps_per_epoch, num_epochs)
+    # Each rate computed once per step, not inside every parameter's update (computed_once).
+    schedule = computed_once(schedule) if callable(schedule) else schedule
+    wd = computed_once(wd) if callable(wd) else wd
     name = optim_config.name
     if callable(wd) and name == "larc":
         raise ValueError(
