@@ -79,18 +79,23 @@ def test_unknown_method_is_clear():
         methods.get(config)
 
 
-def test_bfloat16_step_keeps_float32_state_and_loss():
-    """model.dtype=bfloat16: bf16 compute, float32 params/optimizer/BN/EMA/queue and loss."""
+def _step_setup(config):
+    """(mesh, method, initial state, compiled train step with the probe, host batch of 16)."""
     from jssl.train_step import make_train_step
 
-    config = moco.get_config("test")
-    config.model.dtype = "bfloat16"
     mesh = parallel.make_mesh()
     method = methods.get(config)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
     state = init_state(config, method, tx, mesh)
     step = make_train_step(method, tx, schedule, mesh, probe_config=config)
-    batch = data.synthetic_batch(config.data, 16)
+    return mesh, method, state, step, data.synthetic_batch(config.data, 16)
+
+
+def test_bfloat16_step_keeps_float32_state_and_loss():
+    """model.dtype=bfloat16: bf16 compute, float32 params/optimizer/BN/EMA/queue and loss."""
+    config = moco.get_config("test")
+    config.model.dtype = "bfloat16"
+    mesh, method, state, step, batch = _step_setup(config)
     out = method.model.apply(
         {"params": state.params, "batch_stats": state.batch_stats},
         batch["crops"][0][:, 0],
@@ -115,15 +120,8 @@ def test_bfloat16_step_keeps_float32_state_and_loss():
 def test_non_finite_step_keeps_every_part_of_the_state():
     """A NaN in the queue makes the loss NaN: the step keeps params, optimizer, BN, EMA, queue
     and probe as they were, records the first bad step and does not count the update."""
-    from jssl.train_step import make_train_step
-
     config = moco.get_config("test")
-    mesh = parallel.make_mesh()
-    method = methods.get(config)
-    tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
-    state = init_state(config, method, tx, mesh)
-    step = make_train_step(method, tx, schedule, mesh, probe_config=config)
-    batch = data.synthetic_batch(config.data, 16)
+    mesh, method, state, step, batch = _step_setup(config)
     global_batch = parallel.host_batch_to_global(batch, mesh)
     state, _ = step(state, global_batch)  # one good step
     queue = state.method_state["queue"].at[0, 0].set(jnp.nan)
