@@ -26,18 +26,23 @@ from jssl.train_state import TrainState
 
 
 def _all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every leaf is finite, as one scalar.
+    """Whether every element of every floating-point leaf is finite, as one scalar.
 
-    The per-leaf flags are combined by counting the non-finite leaves (an int32 sum), not by
-    ``jnp.all`` over the stacked flags: XLA rewrites that boolean reduction into a chain of
-    ``and``s that it then fuses, duplicated, into each of the guard's per-leaf selects; for
-    ResNet-18's MoCo step that was 55k HLO instructions instead of 21k and about 4 s more
-    XLA compile time on a 2-core CPU. A sum stays one reduction computed once.
+    One check over the concatenation of all leaves, not one per leaf: XLA's CPU backend
+    compiles each per-leaf reduction as its own kernel (ResNet-18's MoCo step: 62 is-finite
+    reductions and the ``or`` tree combining them, 1.1k HLO instructions and 0.6-0.8 s of
+    its 2-core compile time; a count of the flags, rather than ``jnp.all`` of them, had
+    already removed 4 s of duplicated fusions). The concatenation is a copy of the
+    gradients (50 MB at ResNet-18, 100 MB at ResNet-50), made after the backward pass has
+    freed its activations: peak memory did not grow, and the step time moved less than its
+    noise (ResNet-50 96 px, 1.65 s per step on 2 cores).
     """
-    leaves = [jnp.any(~jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    leaves = [
+        jnp.ravel(x) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
     if not leaves:
         return jnp.array(True)
-    return jnp.sum(jnp.stack(leaves).astype(jnp.int32)) == 0
+    return jnp.all(jnp.isfinite(jnp.concatenate(leaves)))
 
 
 def make_train_step(

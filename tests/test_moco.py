@@ -138,3 +138,22 @@ def test_cosine_momentum_schedule():
 
     values = [float(common.cosine_momentum(s, 100, 0.996)) for s in (0, 50, 100, 200)]
     np.testing.assert_allclose(values, [0.996, 0.998, 1.0, 1.0], rtol=1e-6)
+
+
+def test_all_finite_sees_one_bad_element_in_any_leaf():
+    """The guard's flag: any inf or NaN in any floating leaf (whatever its dtype or shape)
+    makes it False, integer leaves are ignored, and it is computed inside jit."""
+    from jssl.train_step import _all_finite
+
+    tree = {
+        "loss": jnp.float32(0.5),
+        "w": jnp.ones((3, 4, 5), jnp.float32),
+        "b": jnp.zeros((7,), jnp.bfloat16),
+        "count": jnp.arange(4, dtype=jnp.int32),
+    }
+    flag = jax.jit(_all_finite)
+    assert bool(flag(tree)) and bool(flag({"count": tree["count"]}))
+    for name, index in (("loss", ()), ("w", (2, 3, 4)), ("b", (6,))):
+        for bad in (jnp.inf, -jnp.inf, jnp.nan):
+            broken = dict(tree, **{name: tree[name].at[index].set(bad)})
+            assert not bool(flag(broken)), (name, bad)
