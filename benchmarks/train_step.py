@@ -36,6 +36,7 @@ float32, r18_32_b64 and r50_96 in bfloat16.
 """
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -213,6 +214,9 @@ def _child(job: dict) -> None:
 
     from jssl.engines import train  # noqa: F401
 
+    # As launch.py does after its imports, for both JAX steps (the minimal step's trace did
+    # not change with it; jssl's lost the 0.2 s that full collections spent rescanning them).
+    gc.freeze()
     if job["impl"] == "plain":
         config = _config("moco", CASES[job["case"]], job["dtype"], job["queue"])
         result = plain_step.run_case(config, job["steps"])
