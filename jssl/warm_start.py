@@ -117,6 +117,7 @@ def _plan(source: str, saved: Flat, wanted: Flat, skip: tuple, config) -> dict:
             "--config.model.* to the architecture the weights were trained with (a jssl "
             "workdir's config.json has it), or keep that part at its fresh init with "
             f"--config.init.skip=\"('{'/'.join(first[1:3])}',)\"."
+            f"{weights.match_hint(source, config)}"
         )
     unused = sorted(
         (k for k in saved if k not in wanted and not skipped(k)), key=weights.natural_key

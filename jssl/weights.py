@@ -283,8 +283,17 @@ def _check_architecture(
             f"The checkpoint {state_dir} does not fit the configured model ({model})"
             f":\n  {shown}{more}\nUse the model config the checkpoint was trained with (e.g. "
             "the same configs/*.py preset and --config.model.* overrides; the workdir's "
-            "config.json has them)."
+            f"config.json has them).{match_hint(state_dir, config)}"
         )
+
+
+def match_hint(path: str, config: ml_collections.ConfigDict) -> str:
+    """For a mismatch message: the flags that give ``config`` the model of the workdir
+    holding ``path``, as recorded in its config.json ('' when there are none)."""
+    from jssl import workdir
+
+    flags = workdir.flags_to_match(path, config)
+    return f"\nIts workdir's config.json differs in: {' '.join(flags)}" if flags else ""
 
 
 def differences(saved: Flat, wanted: Flat, strict: Callable[[tuple], bool]) -> list[tuple]:

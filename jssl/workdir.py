@@ -21,6 +21,7 @@ import fcntl
 import fnmatch
 import json
 import os
+import shlex
 import socket
 import sys
 from collections.abc import Iterator
@@ -175,6 +176,47 @@ def flatten(config: ml_collections.ConfigDict | dict[str, Any]) -> dict[str, Any
 
     visit("", tree)
     return flat
+
+
+def flags_to_match(
+    path: str, config: ml_collections.ConfigDict, prefix: str = "model."
+) -> list[str]:
+    """``--config.<field>=<value>`` flags that set ``config``'s ``prefix`` fields to those
+    recorded in the config.json of the jssl workdir that holds ``path`` (the workdir itself,
+    its checkpoints dir or a checkpoint in it), for a message to show ready to paste. Empty
+    when ``path`` is in no workdir or nothing differs; ``model.dtype`` is left out (weights
+    fit whatever the compute dtype)."""
+    recorded = _recorded_config(path)
+    current = flatten(config)
+    flags = []
+    for field, value in sorted(recorded.items()):
+        if not field.startswith(prefix) or field == "model.dtype" or field not in current:
+            continue
+        if not _same(value, current[field]):
+            flags.append(f"--config.{field}={shlex.quote(_flag_value(value))}")
+    return flags
+
+
+def _recorded_config(path: str) -> dict[str, Any]:
+    """The flattened config.json of the workdir at or up to three levels above ``path``."""
+    here = os.path.abspath(os.path.expanduser(path))
+    for _ in range(4):
+        candidate = os.path.join(here, CONFIG_FILE)
+        if os.path.isfile(candidate):
+            try:
+                with open(candidate) as f:
+                    return flatten(json.load(f))
+            except (OSError, ValueError):
+                return {}
+        here = os.path.dirname(here)
+    return {}
+
+
+def _flag_value(value: Any) -> str:
+    """A JSON value as ml_collections' command-line flags parse it back."""
+    if isinstance(value, list):
+        return repr(tuple(value))
+    return str(value)
 
 
 def is_safe(field: str) -> bool:
