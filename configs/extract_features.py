@@ -9,7 +9,8 @@ splits, written to ``workdir/features/<split>/<layer>_{features,targets,inds}.np
       --config.init.checkpoint=runs/moco --config.extract.layers='("res4","res5","avgpool")'
 
 The model fields must be those the checkpoint was trained with: these presets take them
-from configs/moco.py (same preset names); override ``--config.model.*`` for other runs.
+from configs/moco.py (same preset names); override ``--config.model.*`` for other runs
+(a checkpoint that does not fit names the flags its workdir's config.json has).
 ``init.checkpoint`` is a jssl workdir, a ``checkpoints/<step>`` dir or a .torch/.pth file
 (trunk only); left empty, the workdir's own checkpoints are used.
 

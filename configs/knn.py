@@ -10,7 +10,8 @@ TOPK 200, SIGMA 0.1; DINO's ``eval_knn.py``: k in 10/20/100/200, T 0.07).
       --config.init.checkpoint=runs/moco --config.knn.layer=res5 --config.knn.pool=avg
 
 The model fields must be those the checkpoint was trained with: these presets take them from
-configs/moco.py (same preset names); override ``--config.model.*`` for other runs.
+configs/moco.py (same preset names); override ``--config.model.*`` for other runs
+(a checkpoint that does not fit names the flags its workdir's config.json has).
 Writes ``workdir/results.json``: ``{"layer", "temperature", "num_train", "num_test",
 "k<k>": {"top1", "top5"}, ...}`` and TensorBoard scalars ``knn/<layer>/k<k>/top1``.
 

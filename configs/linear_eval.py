@@ -12,7 +12,8 @@ eval_resnet_8gpu_transfer_in1k_linear.yaml``).
 One BN -> linear head per layer in ``linear.layers`` (VISSL's eval_mlp), all trained at once;
 ``workdir/results.json`` holds ``{"<layer>": {"top1": .., "top5": ..}, ...}`` on the test
 split. The model fields must be those the checkpoint was trained with: these presets take
-them from configs/moco.py (same preset names); override ``--config.model.*`` for other runs.
+them from configs/moco.py (same preset names); override ``--config.model.*`` for other runs
+(a checkpoint that does not fit names the flags its workdir's config.json has).
 ``config.optim``, ``num_epochs`` and ``data.batch_size`` describe the training of the heads.
 
 Presets: "" / "imagenet" (VISSL's ResNet-50 recipe), "demo" (the moco demo model on the demo
