@@ -47,9 +47,11 @@ def main(argv):
     from jssl import engines
 
     engines.quiet_orbax_info_logs()
-    # The ~440k objects the imports made (TensorFlow, JAX, flax) live as long as the process:
-    # frozen, Python's full collections stop rescanning them, which took 0.2 s of the 0.9 s
-    # it takes to trace ResNet-18's MoCo step on a 2-core CPU (benchmarks/train_step.py).
+    engines.engine_function(_CONFIG.value.engine)  # imports the engine's modules
+    # The ~440k objects the imports made (TensorFlow, JAX, flax, orbax) live as long as the
+    # process: frozen, Python's full collections stop rescanning them, which took 0.2 s of
+    # the 0.9 s it takes to trace ResNet-18's MoCo step on 2 CPU cores
+    # (benchmarks/train_step.py).
     gc.freeze()
 
     logging.info(

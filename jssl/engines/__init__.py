@@ -65,14 +65,21 @@ def quiet_orbax_info_logs() -> None:
     logging.get_absl_handler().addFilter(_DropOrbaxInfo())
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    name = config.engine
+_MODULES = {"extract_features": "extract", "knn": "evaluate", "linear_eval": "evaluate"}
+
+
+def engine_function(name: str):
+    """The ``run(config, workdir)`` function of engine ``name`` (importing its module)."""
     if name not in ENGINES:
         raise ValueError(f"engine={name!r} is not one of {ENGINES}; set --config.engine.")
+    engine = importlib.import_module(f"jssl.engines.{_MODULES.get(name, name)}")
+    return getattr(engine, "run_" + name if name in _MODULES else "run")
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    name = config.engine
+    run_engine = engine_function(name)
     enable_compilation_cache(config)
-    module = {"extract_features": "extract", "knn": "evaluate", "linear_eval": "evaluate"}
-    engine = importlib.import_module(f"jssl.engines.{module.get(name, name)}")
-    run_engine = getattr(engine, "run_" + name if name in module else "run")
     if name == "extract_features":
         # Extraction may read the training run's own workdir (its config stays as it is);
         # the lock keeps it from running beside that training, or beside another extraction.
