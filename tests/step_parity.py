@@ -24,12 +24,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 GLOBAL_BATCH = 16
 # Steps per method: SwAV's 4 cover its frozen prototypes (2 steps) and its queue (on from 3).
 # BYOL's, SimSiam's, DINO's and MoCo v3's 3 let the target, predictor and centre move twice.
-STEPS = {"swav": 4, "byol": 3, "simsiam": 3, "dino": 3, "mocov3": 3}
+STEPS = {"swav": 4, "byol": 3, "simsiam": 3, "dino": 3, "mocov3": 3, "dino_vit": 2}
 
 
 def configure(method: str):
     """The method's "test" preset, made a non-chaotic recipe for an invariance test."""
-    config = importlib.import_module(f"configs.{method}").get_config("test")
+    # dino_vit: DINO's "test_vit" preset, a 2-block ViT with the student's drop path 0.1.
+    module, preset = {"dino_vit": ("dino", "test_vit")}.get(method, (method, "test"))
+    config = importlib.import_module(f"configs.{module}").get_config(preset)
     # No BN in the projector, T 0.1 and plain SGD (MoCo v2's own head, not the demo's BN
     # projector): an output BN makes the trunk's gradient a sum of nearly cancelling
     # per-example terms on these noise images, so float32 reduction order alone moves it by

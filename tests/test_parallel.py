@@ -58,6 +58,8 @@ PARITY = {
     "simsiam": "synchronised BN of each view's batch and the collapse monitor's statistics over "
     "the global batch",
     "dino": "the centre, a mean over the global batch, and the teacher's SyncBN statistics",
+    "dino_vit": "the student's drop-path masks, drawn per row of the global batch (each "
+    "device's own key gave other masks on 4 devices than on 1)",
 }
 
 

@@ -129,7 +129,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     rate = config.model.get("drop_path_rate", 0.0)
     if str(config.model.trunk).startswith("vit") and rate and config.method.name != "dino":
         # A ViT's DropPath draws from a "dropout" rng that only DINO's student forward passes
-        # so far (jssl.methods.common.replica_rng); the other methods' recipes use none.
+        # so far (jssl.methods.common.forward_crops); the other methods' recipes use none.
         raise ValueError(
             f"model.drop_path_rate={rate}: stochastic depth is wired into DINO's student "
             f"only, not into method {config.method.name!r} yet; set "

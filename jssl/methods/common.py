@@ -35,20 +35,14 @@ def apply_model(
 ) -> tuple[dict[str, jax.Array], Any]:
     """``(taps, new batch_stats)``: train mode normalises with batch statistics and returns
     the updated running ones; eval mode uses the running ones and returns them unchanged.
-    ``rng`` feeds the ``dropout`` stream (a ViT's stochastic depth) in train mode; use
-    :func:`replica_rng` inside the step so each device draws its own masks."""
+    ``rng`` feeds the ``dropout`` stream (a ViT's stochastic depth) in train mode: the same
+    key on every replica, with the trunk's ``drop_path_axis`` set (see :func:`forward_crops`)."""
     variables = {"params": params, "batch_stats": batch_stats}
     if not train:
         return model.apply(variables, images, train=False), batch_stats
     rngs = {"dropout": rng} if rng is not None else None
     out, mutated = model.apply(variables, images, train=True, mutable=["batch_stats"], rngs=rngs)
     return out, mutated.get("batch_stats", {})
-
-
-def replica_rng(rng: jax.Array, salt: int) -> jax.Array:
-    """The step's key (the same on every replica) made this replica's own, for per-example
-    randomness such as drop-path masks; ``salt`` separates the uses within one step."""
-    return jax.random.fold_in(jax.random.fold_in(rng, salt), jax.lax.axis_index(DATA_AXIS))
 
 
 def mean_over_devices(tree: Any) -> Any:
@@ -88,17 +82,40 @@ def forward_crops(
     Consecutive groups of one size are concatenated into one trunk batch, one trunk pass per
     resolution, and the head runs on all crops at once (VISSL ``multi_res_input_forward``), so
     train-mode batch norm normalises each resolution's crops together and the head's over all.
+
+    With ``rng`` (a ViT's stochastic depth, the same key on every replica) the rows go to the
+    model example-major (row i * C + c) and come back crop-major: the global batch's rows are
+    then the replicas' rows one replica after another, which is what lets DropPath's masks
+    depend on the global row alone (``VisionTransformer.drop_path_axis``), so that a run draws
+    the same masks on any number of devices.
     """
-    by_size: list[list[jax.Array]] = []
+    by_size: list[list[jax.Array]] = []  # (n, crops, S, S, 3) groups, one list per size
     for group in crops:
-        flat = jnp.swapaxes(group, 0, 1).reshape(-1, *group.shape[2:])  # crop-major rows
-        if by_size and by_size[-1][0].shape[1:] == flat.shape[1:]:
-            by_size[-1].append(flat)
+        if by_size and by_size[-1][0].shape[2:] == group.shape[2:]:
+            by_size[-1].append(group)
         else:
-            by_size.append([flat])
-    inputs = [jnp.concatenate(same) if len(same) > 1 else same[0] for same in by_size]
+            by_size.append([group])
+    stacked = [jnp.concatenate(same, axis=1) if len(same) > 1 else same[0] for same in by_size]
+    if rng is None:
+        inputs = [jnp.swapaxes(s, 0, 1).reshape(-1, *s.shape[2:]) for s in stacked]
+    else:
+        inputs = [s.reshape(-1, *s.shape[2:]) for s in stacked]
     x = inputs[0] if len(inputs) == 1 else inputs
-    return apply_model(model, params, batch_stats, x, train, rng)
+    out, new_stats = apply_model(model, params, batch_stats, x, train, rng)
+    if rng is not None:
+        n, counts = stacked[0].shape[0], [s.shape[1] for s in stacked]
+        out = {name: _crop_major(value, n, counts) for name, value in out.items()}
+    return out, new_stats
+
+
+def _crop_major(x: jax.Array, n: int, counts: list[int]) -> jax.Array:
+    """Rows example-major within each resolution's block of ``n * count`` rows, crop-major."""
+    parts, start = [], 0
+    for count in counts:
+        part = x[start : start + n * count].reshape(n, count, *x.shape[1:])
+        parts.append(jnp.swapaxes(part, 0, 1).reshape(n * count, *x.shape[1:]))
+        start += n * count
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def split_crops(x: jax.Array, count: int) -> jax.Array:

@@ -115,8 +115,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     # DINO builds its teacher without stochastic depth (main_dino.py: only the student gets
     # drop_path_rate), so the teacher's forward is the same network with none.
     teacher_model = model
+    drop_path = models.is_vit(config.model) and model.trunk.drop_path_rate > 0
     if models.is_vit(config.model):
         teacher_model = model.clone(trunk=model.trunk.clone(drop_path_rate=0.0))
+        # The student's masks drawn per global row, the same on any number of devices.
+        model = model.clone(trunk=model.trunk.clone(drop_path_axis=DATA_AXIS))
     teacher_crops = int(mcfg.teacher_crops)
     # Without the epoch length (evaluation engines) the schedules read as finished.
     spe = steps_per_epoch or 0
@@ -156,7 +159,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     def loss(params, state, batch, rng, train: bool = True):
         count = common.num_crops(batch)
-        drop_rng = common.replica_rng(rng, 0) if train else None  # the student's drop path
+        # The student's drop path: one key for every replica (forward_crops lays the rows out
+        # so that each replica draws its own slice of the global batch's masks).
+        drop_rng = jax.random.fold_in(rng, 0) if train and drop_path else None
         out, batch_stats = common.forward_crops(
             model, params, state.batch_stats, batch["crops"], train, drop_rng
         )

@@ -100,18 +100,32 @@ def sincos_pos_embed(grid: int, dim: int) -> jax.Array:
 class DropPath(nn.Module):
     """Stochastic depth (Huang et al. 2016): drops the residual branch of whole examples with
     probability ``rate`` and scales the kept ones by 1 / (1 - rate); identity when not
-    training. Draws from the ``dropout`` rng stream."""
+    training. Draws from the ``dropout`` rng stream.
+
+    With ``axis_name`` (inside the step's shard_map, the ``dropout`` key the same on every
+    replica) the mask is drawn for the rows of every replica together, in replica order, and
+    each replica takes its own slice: a row's mask then depends on its place in the global
+    batch, not on how many devices share it, provided the rows are laid out example-major
+    (jssl.methods.common.forward_crops does so when it passes an rng)."""
 
     rate: float
+    axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
         if not train or self.rate == 0.0:
             return x
         keep = 1.0 - self.rate
-        mask = jax.random.bernoulli(
-            self.make_rng("dropout"), keep, (x.shape[0],) + (1,) * (x.ndim - 1)
-        )
+        rows = x.shape[0]
+        key = self.make_rng("dropout")
+        if self.axis_name is None:
+            mask = jax.random.bernoulli(key, keep, (rows,))
+        else:
+            replicas = jax.lax.axis_size(self.axis_name)
+            everything = jax.random.bernoulli(key, keep, (replicas * rows,))
+            start = jax.lax.axis_index(self.axis_name) * rows
+            mask = jax.lax.dynamic_slice_in_dim(everything, start, rows)
+        mask = mask.reshape((rows,) + (1,) * (x.ndim - 1))
         return jnp.where(mask, x / keep, 0.0).astype(x.dtype)
 
 
@@ -141,6 +155,7 @@ class Block(nn.Module):
     mlp_ratio: float = 4.0
     drop_path: float = 0.0
     dtype: Any = jnp.float32
+    drop_path_axis: str | None = None  # DropPath.axis_name
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
@@ -148,7 +163,7 @@ class Block(nn.Module):
         norm = lambda name: nn.LayerNorm(  # noqa: E731
             epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name=name
         )
-        drop = DropPath(self.drop_path)
+        drop = DropPath(self.drop_path, self.drop_path_axis)
         x = x + drop(Attention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x)), train)
         h = norm("norm2")(x)
         h = nn.Dense(
@@ -180,6 +195,9 @@ class VisionTransformer(nn.Module):
     image_size: int = 224
     mlp_ratio: float = 4.0
     drop_path_rate: float = 0.0  # the last block's; block i's is rate * i / (depth - 1)
+    # The step's data axis, for drop-path masks that do not depend on the device count
+    # (DropPath.axis_name); None draws each replica's masks from its own key.
+    drop_path_axis: str | None = None
     # "learned" (timm, DINO: trunc-normal init, trained) or "sincos" (MoCo v3: fixed 2-D
     # sin-cos values; the method holds them fixed through the optimizer's freeze)
     pos_embed_init: str = "learned"
@@ -229,9 +247,15 @@ class VisionTransformer(nn.Module):
         taps: dict[str, jax.Array] = {}
         for i in range(self.depth):
             rate = self.drop_path_rate * i / max(self.depth - 1, 1)
-            x = Block(self.num_heads, self.mlp_ratio, rate, self.dtype, name=f"blocks_{i}")(
-                x, train
+            block = Block(
+                self.num_heads,
+                self.mlp_ratio,
+                rate,
+                self.dtype,
+                self.drop_path_axis,
+                name=f"blocks_{i}",
             )
+            x = block(x, train)
             if i < self.depth - 1:
                 taps[f"block{i + 1}"] = norm(x[:, 0])
         x = norm(x)
