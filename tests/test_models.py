@@ -23,6 +23,7 @@ from jssl.models import (
     default_config,
     trunk_feature_dim,
 )
+from jssl.models.resnet import pointwise_as_matmul
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,6 +48,52 @@ def _abstract_init(model, size=224):
 
 def _init(model, x):
     return model.init(_key(), x, train=False)
+
+
+@pytest.mark.parametrize(
+    "size,stride,padding,kernel",
+    [
+        (7, 1, "SAME", (1, 1)),
+        (7, 2, "SAME", (1, 1)),  # odd size, strided: torchvision's downsample
+        (8, 2, ((0, 0), (0, 0)), (1, 1)),
+        (8, 1, "SAME", (3, 3)),  # not pointwise: lax's convolution
+    ],
+)
+def test_pointwise_convolution_as_matmul_is_the_convolution(size, stride, padding, kernel):
+    x = _normal(0, (3, size, size, 8))
+    w = _normal(1, kernel + (8, 5), scale=0.3)
+    kwargs = dict(
+        dimension_numbers=jax.lax.conv_dimension_numbers(
+            x.shape, w.shape, ("NHWC", "HWIO", "NHWC")
+        ),
+        lhs_dilation=(1, 1),
+        rhs_dilation=(1, 1),
+        feature_group_count=1,
+    )
+
+    def loss(conv, x, w):
+        y = conv(x, w, (stride, stride), padding, **kwargs)
+        return jnp.sum(jnp.sin(y)), y
+
+    got, got_y = jax.grad(lambda *a: loss(pointwise_as_matmul, *a), (0, 1), has_aux=True)(x, w)
+    want, want_y = jax.grad(
+        lambda *a: loss(jax.lax.conv_general_dilated, *a), (0, 1), has_aux=True
+    )(x, w)
+    assert got_y.shape == want_y.shape
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
+    for g, h in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5)
+    ops = str(jax.make_jaxpr(lambda x, w: loss(pointwise_as_matmul, x, w))(x, w))
+    assert ("dot_general" in ops) == (kernel == (1, 1))
+
+
+def test_resnet50_runs_its_1x1_convolutions_as_matmuls_on_cpu():
+    model = ResNet(depth=50, width_multiplier=0.125)
+    x = jnp.zeros((1, 32, 32, 3))
+    variables = jax.eval_shape(lambda: model.init(_key(), x, train=False))
+    ops = str(jax.make_jaxpr(lambda v: model.apply(v, x, train=False))(variables))
+    # 16 bottlenecks x 2 pointwise convs + 4 downsamples; 16 3x3 convs + the stem
+    assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (36, 17)
 
 
 @pytest.mark.parametrize("depth,expected", [(50, 25_557_032), (18, 11_689_512)])
