@@ -23,7 +23,7 @@ from jssl.models import (
     default_config,
     trunk_feature_dim,
 )
-from jssl.models.resnet import pointwise_as_matmul
+from jssl.models.resnet import cpu_convolution
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +59,7 @@ def _init(model, x):
         (8, 1, "SAME", (3, 3)),  # not pointwise: lax's convolution
     ],
 )
-def test_pointwise_convolution_as_matmul_is_the_convolution(size, stride, padding, kernel):
+def test_cpu_convolution_is_the_convolution(size, stride, padding, kernel):
     x = _normal(0, (3, size, size, 8))
     w = _normal(1, kernel + (8, 5), scale=0.3)
     kwargs = dict(
@@ -75,7 +75,7 @@ def test_pointwise_convolution_as_matmul_is_the_convolution(size, stride, paddin
         y = conv(x, w, (stride, stride), padding, **kwargs)
         return jnp.sum(jnp.sin(y)), y
 
-    got, got_y = jax.grad(lambda *a: loss(pointwise_as_matmul, *a), (0, 1), has_aux=True)(x, w)
+    got, got_y = jax.grad(lambda *a: loss(cpu_convolution, *a), (0, 1), has_aux=True)(x, w)
     want, want_y = jax.grad(
         lambda *a: loss(jax.lax.conv_general_dilated, *a), (0, 1), has_aux=True
     )(x, w)
@@ -83,8 +83,13 @@ def test_pointwise_convolution_as_matmul_is_the_convolution(size, stride, paddin
     np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
     for g, h in zip(got, want, strict=True):
         np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5)
-    ops = str(jax.make_jaxpr(lambda x, w: loss(pointwise_as_matmul, x, w))(x, w))
+    ops = str(jax.make_jaxpr(lambda x, w: loss(cpu_convolution, x, w))(x, w))
     assert ("dot_general" in ops) == (kernel == (1, 1))
+    assert "div" in ops  # the input computed once (see cpu_convolution)
+    if kernel != (1, 1):  # lax's convolution of the same input: the division by 1 is exact
+        np.testing.assert_array_equal(got_y, want_y)
+        for g, h in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, h)
 
 
 def test_resnet50_runs_its_1x1_convolutions_as_matmuls_on_cpu():

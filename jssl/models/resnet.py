@@ -41,17 +41,28 @@ conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 _NHWC = ("NHWC", "HWIO", "NHWC")
 
 
-def pointwise_as_matmul(lhs, rhs, window_strides, padding, **kwargs) -> jax.Array:
-    """``lax.conv_general_dilated`` that computes 1x1 convolutions as one 2-D matmul.
+def cpu_convolution(lhs, rhs, window_strides, padding, **kwargs) -> jax.Array:
+    """``lax.conv_general_dilated`` arranged for XLA's CPU backend; the same convolution.
 
-    XLA's CPU backend differentiates a 1x1 convolution into a weight gradient 1.4-3x slower
-    than the plain ``x.T @ dy`` of the same sizes (64x24x24 activations, 64 <-> 256
-    channels); written as ``reshape -> dot -> reshape``, the matmul's transpose is that
-    product. A ResNet-50 MoCo step at 96 px ran 1.28x faster for it (benchmarks/train_step.py,
-    r50_96). The result is the same convolution (bit for bit on CPU); strided 1x1
-    convolutions (torchvision's downsample) take every ``stride``-th pixel first, which is
-    what a 1x1 window with zero padding sees. Anything else goes to ``lax.conv_general_dilated``.
+    Two changes, each measured on the 2-core CI machine with benchmarks/train_step.py:
+
+    - The input is divided by a runtime 1 (exact), so that XLA computes it once. XLA's CPU
+      fusion copies cheap elementwise producers into every consumer, so the transposed copy
+      of the input that the weight gradient needs recomputed batch norm, ReLU and the
+      residual sums of up to three blocks, reading them in transposed order: 20-98 ms per
+      copy instead of 12-24 ms, 0.5 s of a 2.3 s ResNet-18 forward + backward at 32 px,
+      batch 128. XLA does not duplicate a division, so both the forward convolution and
+      that copy read one buffer. (``lax.optimization_barrier`` says this directly, but
+      XLA's CPU pipeline removes barriers before fusion.)
+    - A 1x1 convolution is one 2-D matmul, ``reshape -> dot -> reshape``: XLA's weight
+      gradient of a 1x1 convolution is 1.4-3x slower than ``x.T @ dy`` of the same sizes
+      (64x24x24 activations, 64 <-> 256 channels), and a ResNet-50 MoCo step at 96 px ran
+      1.28x faster for it. Strided 1x1 convolutions (torchvision's downsample) take every
+      ``stride``-th pixel first, which is what a 1x1 window with zero padding sees.
     """
+    # sign(1 + |w|) is 1 for every non-NaN weight; XLA cannot fold it to a constant.
+    one = jax.lax.stop_gradient(jnp.sign(1 + jnp.abs(rhs.reshape(-1)[0]))).astype(lhs.dtype)
+    lhs = lhs / one
     dilations = (kwargs.get("lhs_dilation"), kwargs.get("rhs_dilation"))
     pointwise = (
         rhs.ndim == 4
@@ -208,9 +219,9 @@ class ResNet(nn.Module):
             nn.Conv,
             use_bias=False,
             kernel_init=conv_init,
-            # Only XLA's CPU backend gains (see pointwise_as_matmul); GPUs and TPUs keep
-            # their convolutions, whose layouts the reshapes could disturb (TPU tiling).
-            conv_general_dilated=pointwise_as_matmul if jax.default_backend() == "cpu" else None,
+            # Only XLA's CPU backend gains (see cpu_convolution); GPUs and TPUs keep lax's
+            # convolutions, whose layouts the reshapes could disturb (TPU tiling).
+            conv_general_dilated=cpu_convolution if jax.default_backend() == "cpu" else None,
             dtype=self.dtype,
             param_dtype=jnp.float32,
         )
