@@ -85,20 +85,27 @@ def test_cpu_convolution_is_the_convolution(size, stride, padding, kernel):
         np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5)
     ops = str(jax.make_jaxpr(lambda x, w: loss(cpu_convolution, x, w))(x, w))
     assert ("dot_general" in ops) == (kernel == (1, 1))
-    assert "div" in ops  # the input computed once (see cpu_convolution)
+    assert " sign " in ops  # the input computed once (see cpu_convolution)
     if kernel != (1, 1):  # lax's convolution of the same input: the division by 1 is exact
         np.testing.assert_array_equal(got_y, want_y)
         for g, h in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, h)
 
 
-def test_resnet50_runs_its_1x1_convolutions_as_matmuls_on_cpu():
+def test_resnet50_trains_its_1x1_convolutions_as_matmuls_on_cpu():
     model = ResNet(depth=50, width_multiplier=0.125)
     x = jnp.zeros((1, 32, 32, 3))
     variables = jax.eval_shape(lambda: model.init(_key(), x, train=False))
     ops = str(jax.make_jaxpr(lambda v: model.apply(v, x, train=False))(variables))
+    # Evaluation keeps lax's convolutions (see cpu_convolution): 53 of them, no inputs divided.
+    assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (0, 53)
+    assert " sign " not in ops
+    ops = str(
+        jax.make_jaxpr(lambda v: model.apply(v, x, train=True, mutable=["batch_stats"]))(variables)
+    )
     # 16 bottlenecks x 2 pointwise convs + 4 downsamples; 16 3x3 convs + the stem
     assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (36, 17)
+    assert ops.count(" sign ") == 53
 
 
 @pytest.mark.parametrize("depth,expected", [(50, 25_557_032), (18, 11_689_512)])
