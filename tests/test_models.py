@@ -98,6 +98,25 @@ def test_cpu_convolution_is_the_convolution(size, stride, padding, kernel):
             np.testing.assert_array_equal(got[0], want[0])
 
 
+def test_strided_3x3_input_gradient_by_phases_in_bfloat16():
+    # bf16 mixed precision hands the convolution bf16 inputs and kernels; the phases must give
+    # a bf16 gradient of lax's values (to bf16 rounding of the differently ordered sums).
+    x = _normal(0, (2, 10, 10, 16)).astype(jnp.bfloat16)
+    w = _normal(1, (3, 3, 16, 8), scale=0.2).astype(jnp.bfloat16)
+    dy = _normal(2, (2, 5, 5, 8)).astype(jnp.bfloat16)
+    args = ((2, 2), ((1, 1), (1, 1)))
+    dn = jax.lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+
+    def grads(conv):
+        y, vjp = jax.vjp(lambda x, w: conv(x, w, *args, dimension_numbers=dn), x, w)
+        return vjp(dy)
+
+    got, want = grads(cpu_convolution), grads(jax.lax.conv_general_dilated)
+    for g, h in zip(got, want, strict=True):
+        assert g.dtype == h.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.float32(g), np.float32(h), rtol=2e-2, atol=2e-2)
+
+
 def test_resnet50_trains_its_1x1_convolutions_as_matmuls_on_cpu():
     model = ResNet(depth=50, width_multiplier=0.125)
     x = jnp.zeros((1, 32, 32, 3))
