@@ -26,7 +26,7 @@ runs jssl then PyTorch, one process at a time, for ``--rounds`` rounds, and prin
 (global batch / median step time), the jssl / PyTorch ratio of each round and that of the CPU
 seconds a step takes (all threads; less distorted by other jobs on the machine), and the load
 average when the case started (PyTorch runs with OMP_WAIT_POLICY=PASSIVE unless it is set, see
-``spawn``); ``--with_plain``
+``spawn``, and with channels-last activations unless ``--torch_layout=nchw``); ``--with_plain``
 adds a minimal JAX step of the same model (benchmarks/plain_step.py) and the ratios of the two
 steps' compile times (``jit(...).lower(...).compile()``, tracing included), wall and process
 CPU seconds (the CPU ratio moves less when other jobs share the machine), and of their
@@ -163,12 +163,14 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
     )
 
 
-def run_torch_case(case: str, dtype: str, steps: int, queue_size: int) -> dict:
+def run_torch_case(
+    case: str, dtype: str, steps: int, queue_size: int, channels_last: bool = True
+) -> dict:
     """Runs in a child process: the PyTorch reference step of the same shapes."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import torch_reference  # imports torch, a development dependency
 
-    result = torch_reference.run_case(CASES[case], dtype, steps, queue_size)
+    result = torch_reference.run_case(CASES[case], dtype, steps, queue_size, channels_last)
     return dict(result, peak_gib=_peak_bytes() / 2**30)
 
 
@@ -199,7 +201,11 @@ def spawn(job: dict) -> dict:
 
 def _child(job: dict) -> None:
     if job["impl"] == "torch":
-        print(json.dumps(run_torch_case(job["case"], job["dtype"], job["steps"], job["queue"])))
+        channels_last = job.get("layout", "channels_last") == "channels_last"
+        result = run_torch_case(
+            job["case"], job["dtype"], job["steps"], job["queue"], channels_last
+        )
+        print(json.dumps(result))
         return
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -226,7 +232,9 @@ def _child(job: dict) -> None:
     print(json.dumps(result))
 
 
-def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: bool) -> None:
+def compare_torch(
+    pairs: list[tuple[str, str]], steps: int, rounds: int, plain: bool, torch_layout: str
+) -> None:
     """jssl's MoCo step, then PyTorch's (then the plain JAX step's), case by case, ``rounds``
     times; then the ratios. The CPU ratio compares the median process CPU seconds per step
     (all threads), which a machine shared with other jobs distorts less than wall time."""
@@ -240,6 +248,7 @@ def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: 
         header += f" {'plain pairs/s':>13} {'plain compile s':>15} {'jssl/plain':>10}"
         header += f" {'compile jssl/plain':>18} {'CPU':>5}"
         header += f" {'RSS GiB jssl':>12} {'plain':>6} {'RSS jssl/plain':>14}"
+    print(f"PyTorch layout: {torch_layout}")
     print(header)
     ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
     plain_ratios: dict[tuple[str, str], list[tuple[float, ...]]] = {}
@@ -248,7 +257,7 @@ def compare_torch(pairs: list[tuple[str, str]], steps: int, rounds: int, plain: 
             job = dict(case=case, dtype=dtype, steps=steps, method="moco", queue=TORCH_QUEUE)
             load = os.getloadavg()[0]
             ours = spawn(dict(job, impl="jssl"))
-            ref = spawn(dict(job, impl="torch"))
+            ref = spawn(dict(job, impl="torch", layout=torch_layout))
             ratio = ours["per_s"] / ref["per_s"]
             cpu_ours, cpu_ref = statistics.median(ours["cpu_s"]), statistics.median(ref["cpu_s"])
             ratios.setdefault((case, dtype), []).append((ratio, cpu_ref / cpu_ours))
@@ -303,6 +312,13 @@ def main() -> None:
         help="--compare_torch: also time a minimal JAX step of the same model (plain_step.py)",
     )
     p.add_argument(
+        "--torch_layout",
+        choices=("channels_last", "nchw"),
+        default="channels_last",
+        help="--compare_torch: PyTorch's activation layout (channels_last ran 1.00-1.10x the "
+        "pairs/s of NCHW here, so it is the default)",
+    )
+    p.add_argument(
         "--reference",
         default=None,
         help="method:case timed first (first dtype); every row adds its img/s ratio to it",
@@ -319,7 +335,7 @@ def main() -> None:
         else:
             cases = (args.cases or "r18_32_b64,r18_32,r50_96").split(",")
             pairs = [(c, d) for c in cases for d in (args.dtypes or "float32").split(",")]
-        compare_torch(pairs, args.steps, args.rounds, args.with_plain)
+        compare_torch(pairs, args.steps, args.rounds, args.with_plain, args.torch_layout)
         return
 
     cases = (args.cases or "r18_32,r50_224").split(",")

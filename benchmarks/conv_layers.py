@@ -1,0 +1,155 @@
+r"""Milliseconds of each 3x3 convolution of a ResNet-18 (CIFAR stem), against PyTorch.
+
+  python benchmarks/conv_layers.py                      # batch 64 at 32 px, MoCo's R18 b64 step
+  python benchmarks/conv_layers.py --batch=128 --no-torch
+
+For every distinct 3x3 convolution of ResNet-18 at ``--size`` px (the stem, then per stage the
+strided first convolution and the stride-1 ones), times its forward, its input gradient (dx)
+and its weight gradient (dw) alone, each a jitted function of fixed inputs, median of
+``--repeats`` calls: through jssl's ``cpu_convolution`` (what the ResNet trains with on CPU),
+through ``lax.conv_general_dilated`` (XLA's own), and through PyTorch's
+``aten.convolution_backward`` in a separate process (``OMP_WAIT_POLICY=PASSIVE``, as
+train_step.py's ``--compare_torch``; NCHW like benchmarks/torch_reference.py, or
+``--torch_channels_last``). This is where train_step.py's jssl / PyTorch ratio comes from, one
+convolution at a time. The stem's dx is not timed: no step needs the image's gradient.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shapes(size: int) -> list[tuple[int, int, int, int]]:
+    """(input size, in channels, out channels, stride) of ResNet-18's distinct 3x3 convs."""
+    out = [(size, 3, 64, 1), (size, 64, 64, 1)]
+    for c in (64, 128, 256):
+        out += [(size, c, 2 * c, 2), ((size + 1) // 2, 2 * c, 2 * c, 1)]
+        size = (size + 1) // 2
+    return out
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def _time_jax_conv(impl, shape, batch: int, repeats: int) -> list[float]:
+    import jax
+
+    h, cin, cout, s = shape
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (batch, h, h, cin))
+    w = 0.05 * jax.random.normal(keys[1], (3, 3, cin, cout))
+    dn = jax.lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+
+    def conv(x, w):
+        return impl(x, w, (s, s), ((1, 1), (1, 1)), dimension_numbers=dn)
+
+    dy = jax.random.normal(keys[2], jax.eval_shape(conv, x, w).shape)
+    fwd = jax.jit(conv)
+    dx = jax.jit(lambda dy, w: jax.vjp(lambda x_: conv(x_, w), x)[1](dy)[0])
+    dw = jax.jit(lambda dy, x: jax.vjp(lambda w_: conv(x, w_), w)[1](dy)[0])
+    return [
+        _median_ms(lambda: fwd(x, w).block_until_ready(), repeats),
+        _median_ms(lambda: dx(dy, w).block_until_ready(), repeats) if cin > 3 else float("nan"),
+        _median_ms(lambda: dw(dy, x).block_until_ready(), repeats),
+    ]
+
+
+def time_jax(batch: int, size: int, repeats: int) -> dict[str, list[list[float]]]:
+    sys.path.insert(0, ROOT)
+    from jssl import parallel
+
+    parallel.configure_cpu_defaults()
+    import jax
+
+    from jssl.models.resnet import cpu_convolution
+
+    impls = {"jssl": cpu_convolution, "lax": jax.lax.conv_general_dilated}
+    return {
+        name: [_time_jax_conv(impl, shape, batch, repeats) for shape in shapes(size)]
+        for name, impl in impls.items()
+    }
+
+
+def _time_torch_conv(shape, batch: int, repeats: int, channels_last: bool) -> list[float]:
+    import torch
+
+    h, cin, cout, s = shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(batch, cin, h, h).contiguous(memory_format=fmt)
+    w = (0.05 * torch.randn(cout, cin, 3, 3)).contiguous(memory_format=fmt)
+    y = torch.nn.functional.conv2d(x, w, stride=s, padding=1)
+    dy = torch.randn_like(y).contiguous(memory_format=fmt)
+
+    def fwd():
+        with torch.no_grad():
+            return torch.nn.functional.conv2d(x, w, stride=s, padding=1)
+
+    def grad(which):
+        mask = [which == "dx", which == "dw", False]
+        args = (dy, x, w, None, [s, s], [1, 1], [1, 1], False, [0, 0], 1, mask)
+        return torch.ops.aten.convolution_backward(*args)
+
+    return [
+        _median_ms(fwd, repeats),
+        _median_ms(lambda: grad("dx"), repeats) if cin > 3 else float("nan"),
+        _median_ms(lambda: grad("dw"), repeats),
+    ]
+
+
+def time_torch(batch: int, size: int, repeats: int, channels_last: bool) -> list[list[float]]:
+    return [_time_torch_conv(shape, batch, repeats, channels_last) for shape in shapes(size)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--torch_channels_last", action="store_true")
+    parser.add_argument("--_torch_child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._torch_child:
+        print(json.dumps(time_torch(args.batch, args.size, args.repeats, args.torch_channels_last)))
+        return
+    rows = time_jax(args.batch, args.size, args.repeats)
+    if args.torch:
+        env = dict(os.environ)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        child = [sys.executable, __file__, "--_torch_child"] + sys.argv[1:]
+        out = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
+        rows["torch"] = json.loads(out.stdout.strip().splitlines()[-1])
+    names = list(rows)
+    print(f"batch {args.batch}, ms per call, forward / dx / dw")
+    print(f"{'conv':<18}" + "".join(f"{n:>24}" for n in names) + "   time jssl/torch")
+    totals = {n: 0.0 for n in names}
+    for i, (h, cin, cout, s) in enumerate(shapes(args.size)):
+        cells = []
+        for n in names:
+            t = rows[n][i]
+            totals[n] += sum(v for v in t if v == v)
+            cells.append(" / ".join("-" if v != v else f"{v:.1f}" for v in t))
+        line = f"{h:>3} px {cin:>3}->{cout:<3} s{s}  " + "".join(f"{c:>24}" for c in cells)
+        if "torch" in rows:
+            jssl, torch = (sum(v for v in rows[n][i] if v == v) for n in ("jssl", "torch"))
+            line += f"   {jssl / torch:.2f}"
+        print(line)
+    print("total ms: " + ", ".join(f"{n} {t:.1f}" for n, t in totals.items()))
+
+
+if __name__ == "__main__":
+    main()
