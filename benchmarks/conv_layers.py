@@ -8,10 +8,12 @@ strided first convolution and the stride-1 ones), times its forward, its input g
 and its weight gradient (dw) alone, each a jitted function of fixed inputs, median of
 ``--repeats`` calls: through jssl's ``cpu_convolution`` (what the ResNet trains with on CPU),
 through ``lax.conv_general_dilated`` (XLA's own), and through PyTorch's
-``aten.convolution_backward`` in a separate process (``OMP_WAIT_POLICY=PASSIVE``, as
-train_step.py's ``--compare_torch``; NCHW like benchmarks/torch_reference.py, or
-``--torch_channels_last``). This is where train_step.py's jssl / PyTorch ratio comes from, one
-convolution at a time. The stem's dx is not timed: no step needs the image's gradient.
+``aten.convolution_backward`` in a separate process (``OMP_WAIT_POLICY=PASSIVE`` and
+channels-last, as train_step.py's ``--compare_torch``; ``--torch_nchw`` for PyTorch's default
+layout). This is where train_step.py's jssl / PyTorch ratio comes from, one
+convolution at a time. The stem's dx is not timed: no step needs the image's gradient. Alone,
+jssl's forward pays for its input's division by 1 (one more pass over the input); in the ResNet
+that division fuses into the batch norm and ReLU that produce the input.
 """
 
 import argparse
@@ -120,11 +122,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--torch_channels_last", action="store_true")
+    parser.add_argument("--torch_nchw", action="store_true", help="PyTorch in NCHW")
     parser.add_argument("--_torch_child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._torch_child:
-        print(json.dumps(time_torch(args.batch, args.size, args.repeats, args.torch_channels_last)))
+        print(json.dumps(time_torch(args.batch, args.size, args.repeats, not args.torch_nchw)))
         return
     rows = time_jax(args.batch, args.size, args.repeats)
     if args.torch:
