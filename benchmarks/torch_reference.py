@@ -112,7 +112,7 @@ class MoCoStep:
         dtype: str,
         queue_size: int,
         seed: int = 0,
-        channels_last: bool = False,
+        channels_last: bool = True,
     ):
         torch.manual_seed(seed)
         head_dims = (spec["head"], 2048, 128)
