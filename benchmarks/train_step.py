@@ -17,8 +17,12 @@ images of 8 crops; DINO takes the same crops (2 global + 6 local) and its 65536-
 ViT: its ViT-S recipe, drop path 0.1). Barlow Twins and VICReg keep their 8192-8192-8192
 projectors; MoCo v3 on a ViT its 4096-4096-256 projector. Synthetic inputs, so this measures
 the step alone (benchmarks/input_pipeline.py measures the data). img/s = global batch / median
-step time (one warm-up step after compiling, then ``--steps`` timed one by one). Each case runs
-in its own process so that compile caches and XLA flags do not leak between cases.
+step time (one warm-up step after compiling, then ``--steps`` timed one by one). TFLOP/s is
+XLA's count of one device's floating-point operations in the step (``_step_flops``) over the
+median step time, and MFU that over the device's peak: ``PEAK_BF16_TFLOPS`` for bfloat16 on
+the GPUs and TPUs it names, else ``--peak_tflops`` (e.g. MoCo R50@224 bf16 on a GPU:
+``--cases=r50_224 --dtypes=bfloat16``). Each case runs in its own process so that compile
+caches and XLA flags do not leak between cases.
 
 ``--compare_torch`` times a plain PyTorch MoCo v2 step with the same shapes
 (benchmarks/torch_reference.py) against jssl's MoCo step, queue 4096 on both sides: each case
@@ -118,6 +122,46 @@ def _peak_bytes(device=None) -> int:
     return _host_peak_bytes() if peak is None else peak  # CPU: the process's peak RSS
 
 
+# Dense (no sparsity) bfloat16 peak TFLOP/s of one chip, from the vendors' data sheets, by a
+# substring of jax's device_kind (first match). V100 has no bf16 units: its fp16 tensor peak.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("A100", 312.0),
+    ("V100", 125.0),
+    ("TPU v4", 275.0),
+    ("TPU v5 lite", 197.0),
+    ("TPU v5", 459.0),
+    ("TPU v6 lite", 918.0),
+)
+
+
+def peak_tflops(device_kind: str, dtype: str, override: float | None = None) -> float | None:
+    """One chip's peak for ``dtype``: ``override`` if given, else the table's bf16 figure."""
+    if override:
+        return override
+    if dtype != "bfloat16":
+        return None  # float32 peaks depend on TF32 and XLA's precision: pass --peak_tflops
+    return next((v for k, v in PEAK_BF16_TFLOPS if k in device_kind), None)
+
+
+def _step_flops(lowered) -> float | None:
+    """XLA's count of one step's floating-point operations on one device.
+
+    Counted on the lowered program, before any backend rewrites it (the same count on CPU, GPU
+    and TPU). jssl's step body runs under ``shard_map`` on per-device shapes, so the count is
+    per device.
+    """
+    try:
+        cost = lowered.cost_analysis()
+    except Exception:  # noqa: BLE001 - an estimate that a backend may not give
+        return None
+    cost = cost[0] if isinstance(cost, list) else cost
+    value = (cost or {}).get("flops")
+    return float(value) if value and value > 0 else None
+
+
 def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: int) -> dict:
     """Runs in a child process: builds the method's step, compiles it and times each step."""
     sys.path.insert(0, ROOT)
@@ -139,8 +183,10 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
     batch_arrays = parallel.host_batch_to_global(host, mesh)
     stop = stop_flags(mesh, False)
     t0, c0 = time.perf_counter(), time.process_time()
-    compiled = step.lower(state, batch_arrays, stop).compile()
+    lowered = step.lower(state, batch_arrays, stop)
+    compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    flops = _step_flops(lowered)
     state, metrics = compiled(state, batch_arrays, stop)  # warm-up
     jax.block_until_ready((state, metrics))
     times, cpu_times = [], []
@@ -160,6 +206,8 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
         peak_gib=_peak_bytes(device) / 2**30,
         host_peak_gib=_host_peak_bytes() / 2**30,
         loss=float(metrics["loss"]),
+        flops=flops,
+        device_kind=device.device_kind,
     )
 
 
@@ -323,6 +371,12 @@ def main() -> None:
         default=None,
         help="method:case timed first (first dtype); every row adds its img/s ratio to it",
     )
+    p.add_argument(
+        "--peak_tflops",
+        type=float,
+        default=None,
+        help="one device's peak TFLOP/s for the MFU column (default: PEAK_BF16_TFLOPS, bf16)",
+    )
     p.add_argument("--_child", help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -341,7 +395,7 @@ def main() -> None:
     cases = (args.cases or "r18_32,r50_224").split(",")
     dtypes = (args.dtypes or "float32,bfloat16").split(",")
     header = f"{'method':<12} {'case':<11} {'dtype':<9} {'devices':<8} {'img/s':>8}"
-    header += f" {'compile s':>9} {'peak GiB':>8}"
+    header += f" {'compile s':>9} {'peak GiB':>8} {'TFLOP/s':>8} {'MFU':>6}"
     if args.compare_cpu_flags:
         header += f" {'img/s XLA defaults':>18} {'speed-up':>8}"
     if args.reference:
@@ -363,6 +417,11 @@ def main() -> None:
             f"{method:<12} {case:<11} {dtype:<9} {r['devices']:<8} "
             f"{r['per_s']:8.1f} {r['compile_s']:9.1f} {r['peak_gib']:8.2f}"
         )
+        # Per device: XLA's count of the step's operations over the median step time.
+        tflops = r["flops"] / statistics.median(r["step_s"]) / 1e12 if r["flops"] else None
+        peak = peak_tflops(r["device_kind"], dtype, args.peak_tflops)
+        line += f" {tflops:8.2f}" if tflops else f" {'-':>8}"
+        line += f" {tflops / peak:6.1%}" if tflops and peak else f" {'-':>6}"
         if args.compare_cpu_flags:
             d = spawn(dict(job, default_flags=True))
             line += f" {d['per_s']:18.1f} {r['per_s'] / d['per_s']:7.2f}x"
