@@ -77,7 +77,7 @@ def time_jax(batch: int, size: int, repeats: int) -> dict[str, list[list[float]]
     parallel.configure_cpu_defaults()
     import jax
 
-    from jssl.models.resnet import cpu_convolution
+    from jssl.models.cpu_ops import cpu_convolution
 
     impls = {"jssl": cpu_convolution, "lax": jax.lax.conv_general_dilated}
     return {

@@ -4,6 +4,7 @@ Kept cheap for a shared CPU: full-size ResNets are only shape-evaluated
 (``jax.eval_shape``), real forwards use width 0.125-0.25 nets on 16-32px images.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from jssl.models import (
     default_config,
     trunk_feature_dim,
 )
-from jssl.models.resnet import cpu_convolution
+from jssl.models.cpu_ops import cpu_convolution
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,6 +99,36 @@ def test_cpu_convolution_is_the_convolution(size, stride, padding, kernel):
             np.testing.assert_array_equal(got[0], want[0])
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("height,width", [(2, 2), (1, 1), (1, 2), (2, 1)])
+def test_3x3_convolution_of_a_tiny_map_is_one_matmul(height, width, training):
+    # XLA's CPU backend ran these as a generic loop (2.4 s for ResNet-18's 2x2 stage at batch
+    # 384); every output pixel sees every input pixel, so one dense matmul computes them.
+    x = _normal(0, (3, height, width, 8))
+    w = _normal(1, (3, 3, 8, 5), scale=0.3)
+    pad = ((1, 1), (1, 1))
+    dn = jax.lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+
+    def loss(conv, x, w):
+        y = conv(x, w, (1, 1), pad, dimension_numbers=dn)
+        return jnp.sum(jnp.sin(y)), y
+
+    ours = functools.partial(cpu_convolution, training=training)
+    got, got_y = jax.grad(lambda *a: loss(ours, *a), (0, 1), has_aux=True)(x, w)
+    want, want_y = jax.grad(
+        lambda *a: loss(jax.lax.conv_general_dilated, *a), (0, 1), has_aux=True
+    )(x, w)
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
+    for g, h in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-5)
+    ops = str(jax.make_jaxpr(lambda x, w: loss(ours, x, w))(x, w))
+    assert "dot_general" in ops and "conv_general_dilated" not in ops
+    # a 3x3 map keeps lax's convolution
+    x3 = _normal(0, (3, 3, 3, 8))
+    ops = str(jax.make_jaxpr(lambda x, w: loss(ours, x, w))(x3, w))
+    assert "dot_general" not in ops and "conv_general_dilated" in ops
+
+
 def test_strided_3x3_input_gradient_by_phases_in_bfloat16():
     # bf16 mixed precision hands the convolution bf16 inputs and kernels; the phases must give
     # a bf16 gradient of lax's values (to bf16 rounding of the differently ordered sums).
@@ -119,17 +150,18 @@ def test_strided_3x3_input_gradient_by_phases_in_bfloat16():
 
 def test_resnet50_trains_its_1x1_convolutions_as_matmuls_on_cpu():
     model = ResNet(depth=50, width_multiplier=0.125)
-    x = jnp.zeros((1, 32, 32, 3))
+    x = jnp.zeros((1, 64, 64, 3))  # stage 4 at 2x2 pixels
     variables = jax.eval_shape(lambda: model.init(_key(), x, train=False))
     ops = str(jax.make_jaxpr(lambda v: model.apply(v, x, train=False))(variables))
-    # Evaluation keeps lax's convolutions (see cpu_convolution): 53 of them, no inputs divided.
-    assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (0, 53)
+    # Evaluation keeps lax's convolutions (see cpu_convolution), no inputs divided, but for
+    # stage 4's two stride-1 3x3 convolutions of a 2x2 map: matmuls (_small_conv3x3).
+    assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (2, 51)
     assert " sign " not in ops
     ops = str(
         jax.make_jaxpr(lambda v: model.apply(v, x, train=True, mutable=["batch_stats"]))(variables)
     )
-    # 16 bottlenecks x 2 pointwise convs + 4 downsamples; 16 3x3 convs + the stem
-    assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (36, 17)
+    # 16 bottlenecks x 2 pointwise convs + 4 downsamples + those two; 14 3x3 convs + the stem
+    assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (38, 15)
     assert ops.count(" sign ") == 53
 
 

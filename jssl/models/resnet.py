@@ -23,6 +23,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jssl.models.cpu_ops import cpu_convolution
+
 # depth -> (block kind, blocks per stage), as in torchvision's resnet18..resnet152.
 _ARCHS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
     18: ("basic", (2, 2, 2, 2)),
@@ -36,141 +38,6 @@ _EXPANSION = {"basic": 1, "bottleneck": 4}
 # torchvision initialises convs with kaiming_normal_(mode="fan_out", nonlinearity="relu"):
 # an untruncated normal with variance 2 / fan_out.
 conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
-
-
-_NHWC = ("NHWC", "HWIO", "NHWC")
-
-
-def cpu_convolution(
-    lhs, rhs, window_strides, padding, *, training: bool = True, **kwargs
-) -> jax.Array:
-    """``lax.conv_general_dilated`` arranged for XLA's CPU backend to train; the same convolution.
-
-    Three changes for the backward pass, each measured on the 2-core CI machine with
-    benchmarks/train_step.py. Without ``training`` (ResNet's ``train=False``: evaluation and
-    feature extraction) it is ``lax.conv_general_dilated``: without a backward pass they only
-    cost (a ResNet-50 forward at 224 px, batch 32: 1.32-1.35 s with the matmuls, 1.22-1.27 s
-    without).
-
-    - The input is divided by a runtime 1 (exact), so that XLA computes it once. XLA's CPU
-      fusion copies cheap elementwise producers into every consumer, so the transposed copy
-      of the input that the weight gradient needs recomputed batch norm, ReLU and the
-      residual sums of up to three blocks, reading them in transposed order: 20-98 ms per
-      copy instead of 12-24 ms, 0.5 s of a 2.3 s ResNet-18 forward + backward at 32 px,
-      batch 128. XLA does not duplicate a division, so both the forward convolution and
-      that copy read one buffer. (``lax.optimization_barrier`` says this directly, but
-      XLA's CPU pipeline removes barriers before fusion.)
-    - A 1x1 convolution is one 2-D matmul, ``reshape -> dot -> reshape``: XLA's weight
-      gradient of a 1x1 convolution is 1.4-3x slower than ``x.T @ dy`` of the same sizes
-      (64x24x24 activations, 64 <-> 256 channels), and a ResNet-50 MoCo step at 96 px ran
-      1.28x faster for it. Strided 1x1 convolutions (torchvision's downsample) take every
-      ``stride``-th pixel first, which is what a 1x1 window with zero padding sees.
-    - A 3x3 stride-2 convolution computes its input gradient phase by phase instead of over
-      a zero-dilated gradient (``_conv3x3_stride2``).
-    """
-    if not training:
-        return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, **kwargs)
-    # sign(1 + |w|) is 1 for every non-NaN weight; XLA cannot fold it to a constant.
-    one = jnp.sign(1 + jnp.abs(rhs.reshape(-1)[0]))
-    lhs = lhs / jax.lax.stop_gradient(one).astype(lhs.dtype)
-    plain = (
-        set(kwargs) <= _PLAIN_KWARGS
-        and kwargs.get("feature_group_count", 1) == 1
-        and all(
-            d is None or tuple(d) == (1, 1)
-            for d in (kwargs.get("lhs_dilation"), kwargs.get("rhs_dilation"))
-        )
-        and rhs.ndim == 4
-        and kwargs.get("dimension_numbers")
-        == jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC)
-    )
-    pads = padding if isinstance(padding, str) else tuple(tuple(p) for p in padding)
-    if plain and rhs.shape[:2] == (1, 1) and pads in ("SAME", "VALID", ((0, 0), (0, 0))):
-        sh, sw = window_strides
-        x = lhs[:, ::sh, ::sw, :] if (sh, sw) != (1, 1) else lhs
-        cin, cout = rhs.shape[2:]
-        y = jax.lax.dot(
-            x.reshape(-1, cin), rhs.reshape(cin, cout), precision=kwargs.get("precision")
-        )
-        return y.reshape(x.shape[:-1] + (cout,))
-    if plain and rhs.shape[:2] == (3, 3) and tuple(window_strides) == (2, 2) and pads == _PAD1:
-        return _conv3x3_stride2(lhs, rhs, kwargs.get("precision"))
-    return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, **kwargs)
-
-
-_PAD1 = ((1, 1), (1, 1))
-# What flax's Conv passes; anything else (batch groups, an accumulation type) goes to lax as is.
-_PLAIN_KWARGS = {
-    "lhs_dilation",
-    "rhs_dilation",
-    "dimension_numbers",
-    "feature_group_count",
-    "precision",
-}
-
-
-def _lax_conv3x3_stride2(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
-    return jax.lax.conv_general_dilated(
-        x, w, (2, 2), _PAD1, dimension_numbers=_NHWC, precision=precision
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _conv3x3_stride2(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
-    """A 3x3, stride-2, padding-1 convolution whose input gradient skips the zeros.
-
-    XLA computes that gradient as a convolution of the output gradient dilated by 2, so 3 of
-    every 4 products are with an inserted zero: 81-83 ms at 32 px, batch 128, 64 -> 128
-    channels, against 26 ms for PyTorch's oneDNN. Split by the parity of the input pixel
-    instead, each phase is a small stride-1 convolution of the undilated gradient (the
-    sub-pixel view of a transposed convolution, Shi et al. 2016, "Real-Time Single Image and
-    Video Super-Resolution Using an Efficient Sub-Pixel CNN"): 39-41 ms for the same sizes.
-    Being a ``custom_vjp``, it has no forward-mode derivative (``jax.jvp``) on the CPU backend
-    while training; reverse mode, ``vmap`` and ``jit`` are as before.
-    """
-    return _lax_conv3x3_stride2(x, w, precision)
-
-
-def _conv3x3_stride2_fwd(x, w, precision):
-    return _lax_conv3x3_stride2(x, w, precision), (x, w)
-
-
-# In one dimension, input pixel i = 2m + k - 1 meets tap k of output m. An even pixel 2m meets
-# only tap 1 of output m; an odd pixel 2m + 1 meets tap 2 of output m and tap 0 of output
-# m + 1 (a zero past the edge). Per parity: the taps, in the order they meet outputs m, m + 1,
-# and the padding of the output gradient that this correlation needs.
-_PHASES = (((1,), (0, 0)), ((2, 0), (0, 1)))
-
-
-def _conv3x3_stride2_bwd(precision, residuals, dy):
-    x, w = residuals
-    n, h, wd, c = x.shape
-    rows = []
-    for taps_h, pad_h in _PHASES:
-        cols = []
-        for taps_w, pad_w in _PHASES:
-            k = w[jnp.array(taps_h)][:, jnp.array(taps_w)]
-            # "HWOI": the kernel's output channels are this correlation's input channels.
-            cols.append(
-                jax.lax.conv_general_dilated(
-                    dy,
-                    k,
-                    (1, 1),
-                    (pad_h, pad_w),
-                    dimension_numbers=("NHWC", "HWOI", "NHWC"),
-                    precision=precision,
-                )
-            )
-        rows.append(jnp.stack(cols, axis=3))  # (n, m, q, parity_w, c)
-    ho, wo = dy.shape[1:3]
-    # (n, m, parity_h, q, parity_w, c) is dx at (2m + parity_h, 2q + parity_w); an odd input
-    # size has one row or column fewer than 2 * output.
-    dx = jnp.stack(rows, axis=2).reshape(n, 2 * ho, 2 * wo, c)[:, :h, :wd]
-    dw = jax.vjp(lambda w: _lax_conv3x3_stride2(x, w, precision), w)[1](dy)[0]
-    return dx.astype(x.dtype), dw
-
-
-_conv3x3_stride2.defvjp(_conv3x3_stride2_fwd, _conv3x3_stride2_bwd)
 
 
 def torch_linear_kernel_init(
@@ -310,7 +177,7 @@ class ResNet(nn.Module):
             nn.Conv,
             use_bias=False,
             kernel_init=conv_init,
-            # Only XLA's CPU backend gains (see cpu_convolution); GPUs and TPUs keep lax's
+            # Only XLA's CPU backend gains (see jssl/models/cpu_ops.py); GPUs and TPUs keep lax's
             # convolutions, whose layouts the reshapes could disturb (TPU tiling).
             conv_general_dilated=functools.partial(cpu_convolution, training=train)
             if jax.default_backend() == "cpu"

@@ -1,0 +1,179 @@
+"""Convolutions arranged for XLA's CPU backend: the same values, faster on CPU.
+
+The ResNet trains (and, for tiny maps, evaluates) through ``cpu_convolution`` on the CPU
+backend only; GPUs and TPUs keep lax's convolutions. Each change was measured on the 2-core CI
+machine (benchmarks/train_step.py, benchmarks/conv_layers.py) and is tested against lax's
+convolution (tests/test_models.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def cpu_convolution(
+    lhs, rhs, window_strides, padding, *, training: bool = True, **kwargs
+) -> jax.Array:
+    """``lax.conv_general_dilated`` arranged for XLA's CPU backend to train; the same convolution.
+
+    Three changes for the backward pass and one for tiny maps, each measured on the 2-core CI
+    machine with benchmarks/train_step.py. Without ``training`` (ResNet's ``train=False``:
+    evaluation and feature extraction) it is ``lax.conv_general_dilated`` but for tiny maps:
+    without a backward pass the first three only cost (a ResNet-50 forward at 224 px, batch
+    32: 1.32-1.35 s with the matmuls, 1.22-1.27 s without).
+
+    - The input is divided by a runtime 1 (exact), so that XLA computes it once. XLA's CPU
+      fusion copies cheap elementwise producers into every consumer, so the transposed copy
+      of the input that the weight gradient needs recomputed batch norm, ReLU and the
+      residual sums of up to three blocks, reading them in transposed order: 20-98 ms per
+      copy instead of 12-24 ms, 0.5 s of a 2.3 s ResNet-18 forward + backward at 32 px,
+      batch 128. XLA does not duplicate a division, so both the forward convolution and
+      that copy read one buffer. (``lax.optimization_barrier`` says this directly, but
+      XLA's CPU pipeline removes barriers before fusion.)
+    - A 1x1 convolution is one 2-D matmul, ``reshape -> dot -> reshape``: XLA's weight
+      gradient of a 1x1 convolution is 1.4-3x slower than ``x.T @ dy`` of the same sizes
+      (64x24x24 activations, 64 <-> 256 channels), and a ResNet-50 MoCo step at 96 px ran
+      1.28x faster for it. Strided 1x1 convolutions (torchvision's downsample) take every
+      ``stride``-th pixel first, which is what a 1x1 window with zero padding sees.
+    - A 3x3 stride-2 convolution computes its input gradient phase by phase instead of over
+      a zero-dilated gradient (``_conv3x3_stride2``).
+    - A 3x3 stride-1 convolution of a map of at most 2x2 pixels is one matmul
+      (``_small_conv3x3``), in training and evaluation.
+    """
+    plain = (
+        set(kwargs) <= _PLAIN_KWARGS
+        and kwargs.get("feature_group_count", 1) == 1
+        and all(
+            d is None or tuple(d) == (1, 1)
+            for d in (kwargs.get("lhs_dilation"), kwargs.get("rhs_dilation"))
+        )
+        and rhs.ndim == 4
+        and kwargs.get("dimension_numbers")
+        == jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC)
+    )
+    pads = padding if isinstance(padding, str) else tuple(tuple(p) for p in padding)
+    taps, strides, precision = rhs.shape[:2], tuple(window_strides), kwargs.get("precision")
+    # Forward too: evaluation of small crops meets it as well.
+    small = plain and taps == (3, 3) and strides == (1, 1) and pads == _PAD1
+    small = small and max(lhs.shape[1:3]) <= 2
+    if not training:
+        if small:
+            return _small_conv3x3(lhs, rhs, precision)
+        return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, **kwargs)
+    # sign(1 + |w|) is 1 for every non-NaN weight; XLA cannot fold it to a constant.
+    one = jnp.sign(1 + jnp.abs(rhs.reshape(-1)[0]))
+    lhs = lhs / jax.lax.stop_gradient(one).astype(lhs.dtype)
+    if plain and taps == (1, 1) and pads in ("SAME", "VALID", ((0, 0), (0, 0))):
+        sh, sw = strides
+        x = lhs[:, ::sh, ::sw, :] if (sh, sw) != (1, 1) else lhs
+        cin, cout = rhs.shape[2:]
+        y = jax.lax.dot(x.reshape(-1, cin), rhs.reshape(cin, cout), precision=precision)
+        return y.reshape(x.shape[:-1] + (cout,))
+    if plain and taps == (3, 3) and strides == (2, 2) and pads == _PAD1:
+        return _conv3x3_stride2(lhs, rhs, precision)
+    if small:
+        return _small_conv3x3(lhs, rhs, precision)
+    return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, **kwargs)
+
+
+_PAD1 = ((1, 1), (1, 1))
+# What flax's Conv passes; anything else (batch groups, an accumulation type) goes to lax as is.
+_PLAIN_KWARGS = {
+    "lhs_dilation",
+    "rhs_dilation",
+    "dimension_numbers",
+    "feature_group_count",
+    "precision",
+}
+
+
+def _small_conv3x3(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
+    """A 3x3, stride-1, padding-1 convolution of a map of at most 2x2 pixels, as one matmul.
+
+    Its kernel is larger than its input, so XLA's CPU backend swaps the two operands and runs
+    the result as a generic loop, not Eigen's convolution: 2.4 s forward and 2.4 s input
+    gradient for ResNet-18's last stage at 2x2 pixels (16 px crops, batch 384, 512 channels),
+    which made SwAV's and DINO's small crops cost most of their step. Every output pixel of so
+    small a map sees every input pixel, through tap (p - i + 1, q - j + 1), so the convolution
+    is one dense matmul of the flattened map with those taps arranged in blocks; it does no
+    product with padding, and its gradients are matmuls too.
+    """
+    n, h, wd, c = x.shape
+    blocks = [
+        [w[p - i + 1, q - j + 1] for i in range(h) for j in range(wd)]
+        for p in range(h)
+        for q in range(wd)
+    ]
+    taps = jnp.concatenate([jnp.concatenate(row, axis=1) for row in blocks], axis=0)
+    y = jax.lax.dot(x.reshape(n, h * wd * c), taps, precision=precision)
+    return y.reshape(n, h, wd, w.shape[-1])
+
+
+def _lax_conv3x3_stride2(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
+    return jax.lax.conv_general_dilated(
+        x, w, (2, 2), _PAD1, dimension_numbers=_NHWC, precision=precision
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _conv3x3_stride2(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
+    """A 3x3, stride-2, padding-1 convolution whose input gradient skips the zeros.
+
+    XLA computes that gradient as a convolution of the output gradient dilated by 2, so 3 of
+    every 4 products are with an inserted zero: 81-83 ms at 32 px, batch 128, 64 -> 128
+    channels, against 26 ms for PyTorch's oneDNN. Split by the parity of the input pixel
+    instead, each phase is a small stride-1 convolution of the undilated gradient (the
+    sub-pixel view of a transposed convolution, Shi et al. 2016, "Real-Time Single Image and
+    Video Super-Resolution Using an Efficient Sub-Pixel CNN"): 39-41 ms for the same sizes.
+    Being a ``custom_vjp``, it has no forward-mode derivative (``jax.jvp``) on the CPU backend
+    while training; reverse mode, ``vmap`` and ``jit`` are as before.
+    """
+    return _lax_conv3x3_stride2(x, w, precision)
+
+
+def _conv3x3_stride2_fwd(x, w, precision):
+    return _lax_conv3x3_stride2(x, w, precision), (x, w)
+
+
+# In one dimension, input pixel i = 2m + k - 1 meets tap k of output m. An even pixel 2m meets
+# only tap 1 of output m; an odd pixel 2m + 1 meets tap 2 of output m and tap 0 of output
+# m + 1 (a zero past the edge). Per parity: the taps, in the order they meet outputs m, m + 1,
+# and the padding of the output gradient that this correlation needs.
+_PHASES = (((1,), (0, 0)), ((2, 0), (0, 1)))
+
+
+def _conv3x3_stride2_bwd(precision, residuals, dy):
+    x, w = residuals
+    n, h, wd, c = x.shape
+    rows = []
+    for taps_h, pad_h in _PHASES:
+        cols = []
+        for taps_w, pad_w in _PHASES:
+            k = w[jnp.array(taps_h)][:, jnp.array(taps_w)]
+            # "HWOI": the kernel's output channels are this correlation's input channels.
+            cols.append(
+                jax.lax.conv_general_dilated(
+                    dy,
+                    k,
+                    (1, 1),
+                    (pad_h, pad_w),
+                    dimension_numbers=("NHWC", "HWOI", "NHWC"),
+                    precision=precision,
+                )
+            )
+        rows.append(jnp.stack(cols, axis=3))  # (n, m, q, parity_w, c)
+    ho, wo = dy.shape[1:3]
+    # (n, m, parity_h, q, parity_w, c) is dx at (2m + parity_h, 2q + parity_w); an odd input
+    # size has one row or column fewer than 2 * output.
+    dx = jnp.stack(rows, axis=2).reshape(n, 2 * ho, 2 * wo, c)[:, :h, :wd]
+    dw = jax.vjp(lambda w: _lax_conv3x3_stride2(x, w, precision), w)[1](dy)[0]
+    return dx.astype(x.dtype), dw
+
+
+_conv3x3_stride2.defvjp(_conv3x3_stride2_fwd, _conv3x3_stride2_bwd)
