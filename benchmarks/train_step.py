@@ -18,8 +18,8 @@ ViT: its ViT-S recipe, drop path 0.1). Barlow Twins and VICReg keep their 8192-8
 projectors; MoCo v3 on a ViT its 4096-4096-256 projector. Synthetic inputs, so this measures
 the step alone (benchmarks/input_pipeline.py measures the data). img/s = global batch / median
 step time (one warm-up step after compiling, then ``--steps`` timed one by one). TFLOP/s is
-XLA's count of one device's floating-point operations in the step (``_step_flops``) over the
-median step time, and MFU that over the device's peak: ``PEAK_BF16_TFLOPS`` for bfloat16 on
+XLA's count of one device's floating-point operations in the step (``mfu.step_flops``) over the
+median step time, and MFU that over the device's peak: ``mfu.PEAK_BF16_TFLOPS`` for bfloat16 on
 the GPUs and TPUs it names, else ``--peak_tflops`` (e.g. MoCo R50@224 bf16 on a GPU:
 ``--cases=r50_224 --dtypes=bfloat16``). Each case runs in its own process so that compile
 caches and XLA flags do not leak between cases.
@@ -48,6 +48,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import mfu  # benchmarks/mfu.py, beside this script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _R18 = dict(trunk="resnet18", cifar_stem=True, image_size=32, small=16, head=512)
@@ -122,46 +124,6 @@ def _peak_bytes(device=None) -> int:
     return _host_peak_bytes() if peak is None else peak  # CPU: the process's peak RSS
 
 
-# Dense (no sparsity) bfloat16 peak TFLOP/s of one chip, from the vendors' data sheets, by a
-# substring of jax's device_kind (first match). V100 has no bf16 units: its fp16 tensor peak.
-PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100", 989.4),
-    ("H200", 989.4),
-    ("A100", 312.0),
-    ("V100", 125.0),
-    ("TPU v4", 275.0),
-    ("TPU v5 lite", 197.0),
-    ("TPU v5", 459.0),
-    ("TPU v6 lite", 918.0),
-)
-
-
-def peak_tflops(device_kind: str, dtype: str, override: float | None = None) -> float | None:
-    """One chip's peak for ``dtype``: ``override`` if given, else the table's bf16 figure."""
-    if override:
-        return override
-    if dtype != "bfloat16":
-        return None  # float32 peaks depend on TF32 and XLA's precision: pass --peak_tflops
-    return next((v for k, v in PEAK_BF16_TFLOPS if k in device_kind), None)
-
-
-def _step_flops(lowered) -> float | None:
-    """XLA's count of one step's floating-point operations on one device.
-
-    Counted on the lowered program, before any backend rewrites it (the same count on CPU, GPU
-    and TPU). jssl's step body runs under ``shard_map`` on per-device shapes, so the count is
-    per device.
-    """
-    try:
-        cost = lowered.cost_analysis()
-    except Exception:  # noqa: BLE001 - an estimate that a backend may not give
-        return None
-    cost = cost[0] if isinstance(cost, list) else cost
-    value = (cost or {}).get("flops")
-    return float(value) if value and value > 0 else None
-
-
 def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: int) -> dict:
     """Runs in a child process: builds the method's step, compiles it and times each step."""
     sys.path.insert(0, ROOT)
@@ -186,7 +148,7 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
     lowered = step.lower(state, batch_arrays, stop)
     compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    flops = _step_flops(lowered)
+    flops = mfu.step_flops(lowered)
     state, metrics = compiled(state, batch_arrays, stop)  # warm-up
     jax.block_until_ready((state, metrics))
     times, cpu_times = [], []
@@ -419,7 +381,7 @@ def main() -> None:
         )
         # Per device: XLA's count of the step's operations over the median step time.
         tflops = r["flops"] / statistics.median(r["step_s"]) / 1e12 if r["flops"] else None
-        peak = peak_tflops(r["device_kind"], dtype, args.peak_tflops)
+        peak = mfu.peak_tflops(r["device_kind"], dtype, args.peak_tflops)
         line += f" {tflops:8.2f}" if tflops else f" {'-':>8}"
         line += f" {tflops / peak:6.1%}" if tflops and peak else f" {'-':>6}"
         if args.compare_cpu_flags:
