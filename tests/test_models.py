@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +26,8 @@ from jssl.models import (
     default_config,
     trunk_feature_dim,
 )
-from jssl.models.cpu_ops import cpu_convolution
+from jssl.models import resnet as resnet_module
+from jssl.models.cpu_ops import cpu_convolution, cpu_max_pool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,6 +166,61 @@ def test_resnet50_trains_its_1x1_convolutions_as_matmuls_on_cpu():
     # 16 bottlenecks x 2 pointwise convs + 4 downsamples + those two; 14 3x3 convs + the stem
     assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (38, 15)
     assert ops.count(" sign ") == 53
+
+
+def _lax_max_pool(x):
+    return nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("height,width", [(8, 8), (7, 7), (6, 9), (1, 2)])
+def test_cpu_max_pool_is_the_max_pool_with_its_gradient(height, width, dtype):
+    # A ReLU'd map on a coarse grid: half the values are 0 and many windows hold tied maxima,
+    # so the test sees which tap each gradient goes to. Small integer gradients add exactly in
+    # any order, so the comparison is exact.
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(np.maximum(rng.integers(-4, 5, (2, height, width, 3)), 0) / 4, dtype)
+    y = cpu_max_pool(x)
+    np.testing.assert_array_equal(y, _lax_max_pool(x))
+    assert y.dtype == dtype
+    dy = jnp.asarray(rng.integers(1, 8, y.shape), dtype)
+    got = jax.vjp(cpu_max_pool, x)[1](dy)[0]
+    want = jax.vjp(_lax_max_pool, x)[1](dy)[0]
+    assert got.dtype == dtype and got.shape == x.shape
+    np.testing.assert_array_equal(got, want)
+    # and under jit, as the train step runs it
+    np.testing.assert_array_equal(jax.jit(jax.vjp(cpu_max_pool, x)[1])(dy)[0], want)
+
+
+def test_cpu_max_pool_propagates_nan_and_minus_infinity():
+    x = np.zeros((1, 4, 4, 2), np.float32)
+    x[0, 1, 1, 0] = np.nan
+    x[..., 1] = -np.inf
+    np.testing.assert_array_equal(cpu_max_pool(jnp.asarray(x)), _lax_max_pool(jnp.asarray(x)))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_resnet50_trains_its_stem_max_pool_through_cpu_max_pool(train):
+    model = ResNet(depth=50, width_multiplier=0.125)
+    x = _normal(0, (2, 32, 32, 3))
+    variables = _init(model, x)
+
+    def loss(params, pool):
+        v = {"params": params, "batch_stats": variables["batch_stats"]}
+        with mock.patch.object(resnet_module, "cpu_max_pool", pool):
+            out, _ = model.apply(v, x, train=train, mutable=["batch_stats"])
+        return jnp.sum(jnp.sin(out["res2"])), out["res5"]
+
+    ops = str(jax.make_jaxpr(lambda p: loss(p, cpu_max_pool))(variables["params"]))
+    assert ("custom_vjp_call" in ops) == train  # evaluation keeps flax's max_pool
+    if train:
+        (got, got_y), (want, want_y) = (
+            jax.grad(functools.partial(loss, pool=pool), has_aux=True)(variables["params"])
+            for pool in (cpu_max_pool, _lax_max_pool)
+        )
+        np.testing.assert_array_equal(got_y, want_y)
+        for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("depth,expected", [(50, 25_557_032), (18, 11_689_512)])

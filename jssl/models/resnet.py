@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jssl.models.cpu_ops import cpu_convolution
+from jssl.models.cpu_ops import cpu_convolution, cpu_max_pool
 
 # depth -> (block kind, blocks per stage), as in torchvision's resnet18..resnet152.
 _ARCHS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
@@ -173,6 +173,7 @@ class ResNet(nn.Module):
         block_cls = BasicBlock if kind == "basic" else Bottleneck
         widths = stage_widths(self.width_multiplier)
 
+        on_cpu = jax.default_backend() == "cpu"
         conv = functools.partial(
             nn.Conv,
             use_bias=False,
@@ -180,7 +181,7 @@ class ResNet(nn.Module):
             # Only XLA's CPU backend gains (see jssl/models/cpu_ops.py); GPUs and TPUs keep lax's
             # convolutions, whose layouts the reshapes could disturb (TPU tiling).
             conv_general_dilated=functools.partial(cpu_convolution, training=train)
-            if jax.default_backend() == "cpu"
+            if on_cpu
             else None,
             dtype=self.dtype,
             param_dtype=jnp.float32,
@@ -207,8 +208,12 @@ class ResNet(nn.Module):
         x = nn.relu(norm(name="bn1")(x))
         taps["conv1_relu"] = x
         if not self.cifar_stem:
-            # flax pads max-pool with -inf, as torch's MaxPool2d(3, 2, padding=1) does.
-            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+            # flax pads max-pool with -inf, as torch's MaxPool2d(3, 2, padding=1) does;
+            # cpu_max_pool is the same pool with a cheaper gradient on XLA's CPU backend.
+            if on_cpu and train:
+                x = cpu_max_pool(x)
+            else:
+                x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
 
         for stage, (planes, n_blocks) in enumerate(zip(widths, blocks, strict=True)):
             for b in range(n_blocks):
