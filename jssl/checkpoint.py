@@ -199,7 +199,11 @@ def resume(workdir: str, checkpoint_config: Any, state: Any):
         max_to_keep=checkpoint_config.max_to_keep,
         async_save=checkpoint_config.async_save,
     )
-    restored = restore_or_none(manager, state)
+    try:
+        restored = restore_or_none(manager, state)
+    except BaseException:
+        manager.close()  # its threads and open files go with the error, not with the process
+        raise
     if restored is None:
         return manager, state, DataPosition(), False
     return manager, restored[0], restored[1], True

@@ -341,8 +341,21 @@ def test_restore_under_a_changed_model_says_so_and_moves_nothing(tmp_path, targe
     before = _entries(tmp_path)
     with pytest.raises(checkpoint.CheckpointError, match="config differs") as info:
         checkpoint.restore_or_none(manager, target)
+    manager.close()
     assert "Nothing was moved" in str(info.value)
     assert _entries(tmp_path) == before
+
+
+def test_resume_closes_its_manager_when_the_restore_fails(tmp_path, monkeypatch):
+    manager = checkpoint.make_manager(str(tmp_path), max_to_keep=3, async_save=False)
+    _save_steps(manager, 1)
+    manager.close()
+    closed = []
+    close = type(manager).close
+    monkeypatch.setattr(type(manager), "close", lambda self: closed.append(self) or close(self))
+    with pytest.raises(checkpoint.CheckpointError, match="config differs"):
+        checkpoint.resume(str(tmp_path), _checkpoint_config(), _state(0, shape=(4, 5)))
+    assert len(closed) == 1  # no orbax threads left behind the error
 
 
 def test_is_corrupt_tells_damage_from_storage_errors_and_config_changes():
