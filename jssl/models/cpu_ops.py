@@ -3,7 +3,7 @@
 The ResNet trains (and, for tiny maps, evaluates) through ``cpu_convolution`` on the CPU
 backend only; GPUs and TPUs keep lax's convolutions. Each change was measured on the 2-core CI
 machine (benchmarks/train_step.py, benchmarks/conv_layers.py) and is tested against lax's
-convolution (tests/test_models.py).
+convolution (tests/test_cpu_ops.py).
 """
 
 from __future__ import annotations
