@@ -1,9 +1,10 @@
-"""Convolutions arranged for XLA's CPU backend: the same values, faster on CPU.
+"""Convolutions and the stem max-pool arranged for XLA's CPU backend: the same values, faster.
 
-The ResNet trains (and, for tiny maps, evaluates) through ``cpu_convolution`` on the CPU
-backend only; GPUs and TPUs keep lax's convolutions. Each change was measured on the 2-core CI
-machine (benchmarks/train_step.py, benchmarks/conv_layers.py) and is tested against lax's
-convolution (tests/test_cpu_ops.py).
+The ResNet trains (and, for tiny maps, evaluates) through ``cpu_convolution`` and
+``cpu_max_pool`` on the CPU backend only; GPUs and TPUs keep lax's and flax's operations. Each
+change was measured on the 2-core CI machine (benchmarks/train_step.py,
+benchmarks/conv_layers.py) and is tested against the operation it replaces
+(tests/test_cpu_ops.py).
 """
 
 from __future__ import annotations
