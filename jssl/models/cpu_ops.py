@@ -198,7 +198,7 @@ def cpu_max_pool(x: jax.Array) -> jax.Array:
     runs. Keeping the winning tap, not recomparing with the input in the backward, matters:
     XLA recomputes a fused input (batch norm, ReLU) inside each consumer, and two
     recomputations need not round alike, which broke ties (and the stem's gradient) on a
-    first try.
+    first try. Like ``_conv3x3_stride2`` it is a ``custom_vjp``: no ``jax.jvp`` through it.
     """
     return _max_pool(x, x.shape[1:3])
 
