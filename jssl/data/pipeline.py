@@ -264,7 +264,10 @@ def build_train_dataset(
             # One position past the end (wrapping) lets the scan see a hole at the very end.
             positions = tf.data.Dataset.range(first, end + 1)
             ds = _checked_images(source, stream, positions, first, False, decode)
-            ds = ds.filter(lambda r: r["position"] < end).map(lambda r: order.train_row(r, False))
+            # One lambda per line: autograph finds a lambda's source by its line, and warns on
+            # every run when two share one.
+            ds = ds.filter(lambda r: r["position"] < end)
+            ds = ds.map(lambda r: order.train_row(r, False))
     else:
         ranges = order.stream_block_ranges(
             source.num_examples,
