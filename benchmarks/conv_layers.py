@@ -2,6 +2,7 @@ r"""Milliseconds of each 3x3 convolution of a ResNet-18 (CIFAR stem), against Py
 
   python benchmarks/conv_layers.py                      # batch 64 at 32 px, MoCo's R18 b64 step
   python benchmarks/conv_layers.py --batch=128 --no-torch
+  python benchmarks/conv_layers.py --split_dw           # lax's weight gradient in its parts
 
 For every distinct 3x3 convolution of ResNet-18 at ``--size`` px (the stem, then per stage the
 strided first convolution and the stride-1 ones), times its forward, its input gradient (dx)
@@ -14,6 +15,11 @@ layout). This is where train_step.py's jssl / PyTorch ratio comes from, one
 convolution at a time. The stem's dx is not timed: no step needs the image's gradient. Alone,
 jssl's forward pays for its input's division by 1 (one more pass over the input); in the ResNet
 that division fuses into the batch norm and ReLU that produce the input.
+
+``--split_dw`` times, for each stride-1 convolution, the two parts XLA's CPU backend compiles
+lax's weight gradient into: copies of the input as (C, H, W, N) and of the output gradient as
+(H, W, N, O), then one convolution of the first by the second (the gradient is its kernel, the
+output 3x3 pixels); what the copies cost next to what the convolution itself costs.
 """
 
 import argparse
@@ -70,6 +76,35 @@ def _time_jax_conv(impl, shape, batch: int, repeats: int) -> list[float]:
     ]
 
 
+def _time_dw_parts(shape, batch: int, repeats: int) -> list[float]:
+    import jax
+
+    h, cin, cout, _ = shape
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (batch, h, h, cin))
+    dy = jax.random.normal(keys[1], (batch, h, h, cout))
+    # The permutations and dimension labels of XLA's optimised HLO for the stride-1 case.
+    copies = jax.jit(lambda x, dy: (x.transpose(3, 1, 2, 0), dy.transpose(1, 2, 0, 3)))
+    core = jax.jit(
+        lambda xt, dyt: jax.lax.conv_general_dilated(
+            xt, dyt, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+    )
+    xt, dyt = copies(x, dy)
+    return [
+        _median_ms(lambda: jax.block_until_ready(copies(x, dy)), repeats),
+        _median_ms(lambda: core(xt, dyt).block_until_ready(), repeats),
+    ]
+
+
+def time_dw_parts(batch: int, size: int, repeats: int) -> list[tuple[tuple, list[float]]]:
+    sys.path.insert(0, ROOT)
+    from jssl import parallel
+
+    parallel.configure_cpu_defaults()
+    return [(sh, _time_dw_parts(sh, batch, repeats)) for sh in shapes(size) if sh[3] == 1]
+
+
 def time_jax(batch: int, size: int, repeats: int) -> dict[str, list[list[float]]]:
     sys.path.insert(0, ROOT)
     from jssl import parallel
@@ -123,6 +158,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--torch_nchw", action="store_true", help="PyTorch in NCHW")
+    parser.add_argument("--split_dw", action="store_true", help="time lax's dw in its parts")
     parser.add_argument("--_torch_child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._torch_child:
@@ -151,6 +187,14 @@ def main() -> None:
             line += f"   {jssl / torch:.2f}"
         print(line)
     print("total ms: " + ", ".join(f"{n} {t:.1f}" for n, t in totals.items()))
+    if args.split_dw:
+        print("lax's dw of each stride-1 convolution, ms: operand copies + convolution core")
+        for (h, cin, cout, _), (copies, core) in time_dw_parts(args.batch, args.size, args.repeats):
+            line = f"{h:>3} px {cin:>3}->{cout:<3}     {copies:.1f} + {core:.1f}"
+            if "torch" in rows:
+                j = shapes(args.size).index((h, cin, cout, 1))
+                line += f"   (PyTorch's whole dw {rows['torch'][j][2]:.1f})"
+            print(line)
 
 
 if __name__ == "__main__":
