@@ -71,7 +71,8 @@ def run_knn(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     for k in ks:
         acc = {name: float(value) for name, value in accuracy(k).items()}
         results[f"k{k}"] = acc
-        logging.info("kNN %s k=%d T=%g: %s", layer, k, kcfg.temperature, acc)
+        shown = ", ".join(f"{name} {value:.2f}" for name, value in acc.items())
+        logging.info("kNN %s k=%d T=%g: %s", layer, k, kcfg.temperature, shown)
         writer.write_scalars(0, {f"knn/{layer}/k{k}/{name}": v for name, v in acc.items()})
     writer.flush()
     write_results(workdir, results)
