@@ -5,6 +5,7 @@ r"""Images/s, compile time and peak memory of the train step, per method, model 
   python benchmarks/train_step.py --methods=moco,simclr,swav --cases=r18_32 --dtypes=float32
   python benchmarks/train_step.py --compare_cpu_flags     # jssl's CPU XLA flags vs XLA's defaults
   python benchmarks/train_step.py --compare_torch         # jssl / PyTorch, MoCo v2 (issue 11)
+  python benchmarks/train_step.py --compare_on_device     # + colour, blur, ... inside the step
   python benchmarks/train_step.py --methods=dino,mocov3 --cases=vit_t_32 --dtypes=float32 \
       --reference=moco:r18_32_b64                         # ViT rows, img/s ratio to MoCo ResNet
 
@@ -37,11 +38,17 @@ CPU seconds (the CPU ratio moves less when other jobs share the machine), and of
 processes' peak resident memory (both import the same modules). Without
 ``--cases``/``--dtypes`` it runs issue 11's five cases: r18_32_b64, r18_32 and r50_96 in
 float32, r18_32_b64 and r50_96 in bfloat16.
+
+``--compare_on_device`` times every row a second time with ``data.augment.on_device``: the step
+is fed uint8 crops and their seeds and runs the method's colour jitter, grayscale, blur,
+solarisation and normalisation itself (jssl/data/device_augment.py), as training with that
+option does; the row adds that step's img/s, the difference of the two median step times, and
+the median time of the augmentation alone (jitted by itself, same batch), which a noisy machine
+moves less than it moves a difference of two steps.
 """
 
 import argparse
 import gc
-import importlib
 import json
 import os
 import statistics
@@ -50,66 +57,9 @@ import sys
 import time
 
 import mfu  # benchmarks/mfu.py, beside this script
+from step_cases import CASES, TORCH_CASES, TORCH_QUEUE, case_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_R18 = dict(trunk="resnet18", cifar_stem=True, image_size=32, small=16, head=512)
-_R50 = dict(trunk="resnet50", cifar_stem=False, head=2048)
-CASES = {
-    "r18_32": dict(_R18, batch=256),
-    "r18_32_b64": dict(_R18, batch=64),
-    "r50_96": dict(_R50, image_size=96, small=48, batch=32),
-    "r50_224": dict(_R50, image_size=224, small=96, batch=32),
-    "vit_t_32": dict(trunk="vit_tiny", patch=4, image_size=32, small=16, batch=64, head=192),
-    "vit_s16_224": dict(trunk="vit_small", patch=16, image_size=224, small=96, batch=32, head=384),
-}
-# Issue 11's comparison with PyTorch: (case, dtype) and MoCo's queue on both sides.
-TORCH_CASES = (
-    ("r18_32_b64", "float32"),
-    ("r18_32", "float32"),
-    ("r50_96", "float32"),
-    ("r18_32_b64", "bfloat16"),
-    ("r50_96", "bfloat16"),
-)
-TORCH_QUEUE = 4096
-
-
-def _config(method_name: str, spec: dict, dtype: str, queue_size: int):
-    """The method's preset with the case's model, crops and batch."""
-    vit = spec["trunk"].startswith("vit")
-    # MoCo v3's default preset is ViT-S/16, DINO's a ResNet-50: pick the one of the trunk.
-    presets = {"mocov3": "" if vit else "resnet50", "dino": "vit_small" if vit else ""}
-    config = importlib.import_module(f"configs.{method_name}").get_config(
-        presets.get(method_name, "")
-    )
-    config.model.trunk = spec["trunk"]
-    if vit:
-        config.model.patch_size = spec["patch"]
-        config.model.image_size = spec["image_size"]  # the position-embedding grid
-    else:
-        config.model.cifar_stem = spec["cifar_stem"]
-    config.model.head_dims = (spec["head"], 2048, 128)
-    if method_name == "supervised":
-        config.model.head_dims = (spec["head"], 1000)  # the linear classifier
-    if method_name in ("barlow_twins", "vicreg"):  # their 8192-8192-8192 projector is the cost
-        config.model.head_dims = (spec["head"], 8192, 8192, 8192)
-    if method_name == "dino":  # its own DINO head (method.head_*), no projector MLP
-        config.model.head_dims = ()
-    config.model.dtype = dtype
-    config.data.image_size = spec["image_size"]
-    config.data.batch_size = spec["batch"]
-    if method_name == "moco":
-        config.method.queue_size = queue_size
-    if method_name == "swav":
-        config.data.augment.crop_sizes = (spec["image_size"], spec["small"])
-    if method_name in ("byol", "simsiam", "mocov3"):  # the predictor's ratio of each paper
-        config.method.predictor_dims = (128, 32 if method_name == "simsiam" else 2048, 128)
-    if method_name == "mocov3" and vit:  # the ViT recipe's 4096-4096-256 MLPs (vits.py)
-        config.model.head_dims = (spec["head"], 4096, 4096, 256)
-        config.method.predictor_dims = (256, 4096, 256)
-    if method_name == "dino":  # 2 global + 6 local crops, as SwAV's
-        config.data.augment.num_crops = (1, 1, 6)
-        config.data.augment.crop_sizes = (spec["image_size"], spec["image_size"], spec["small"])
-    return config
 
 
 def _host_peak_bytes() -> int:
@@ -124,22 +74,26 @@ def _peak_bytes(device=None) -> int:
     return _host_peak_bytes() if peak is None else peak  # CPU: the process's peak RSS
 
 
-def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: int) -> dict:
+def run_case(
+    case: str, dtype: str, steps: int, method_name: str, queue_size: int, on_device: bool = False
+) -> dict:
     """Runs in a child process: builds the method's step, compiles it and times each step."""
     sys.path.insert(0, ROOT)
     import jax
 
     from jssl import data, methods, parallel
+    from jssl.data import device_augment
     from jssl.engines.train import init_state, make_optimizer
     from jssl.train_step import make_train_step, stop_flags
 
     spec = CASES[case]
-    config = _config(method_name, spec, dtype, queue_size)
+    config = case_config(method_name, spec, dtype, queue_size, on_device)
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch=1000)
     tx, schedule = make_optimizer(config, method, steps_per_epoch=1000)
     state = init_state(config, method, tx, mesh)
-    step = make_train_step(method, tx, schedule, mesh)
+    augment = device_augment.make_batch_augment(config.data)
+    step = make_train_step(method, tx, schedule, mesh, augment=augment)
 
     host = data.synthetic_batch(config.data, spec["batch"])
     batch_arrays = parallel.host_batch_to_global(host, mesh)
@@ -158,8 +112,17 @@ def run_case(case: str, dtype: str, steps: int, method_name: str, queue_size: in
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
+    augment_s = []
+    if augment is not None:  # the same augmentation alone, one jitted call per batch
+        augment_alone = jax.jit(augment)
+        jax.block_until_ready(augment_alone(batch_arrays))
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(augment_alone(batch_arrays))
+            augment_s.append(time.perf_counter() - t0)
     device = jax.devices()[0]
     return dict(
+        augment_s=augment_s,
         devices=f"{jax.device_count()}x{device.platform}",
         step_s=times,
         cpu_s=cpu_times,
@@ -234,11 +197,13 @@ def _child(job: dict) -> None:
     # not change with it; jssl's lost the 0.2 s that full collections spent rescanning them).
     gc.freeze()
     if job["impl"] == "plain":
-        config = _config("moco", CASES[job["case"]], job["dtype"], job["queue"])
+        config = case_config("moco", CASES[job["case"]], job["dtype"], job["queue"])
         result = plain_step.run_case(config, job["steps"])
         print(json.dumps(dict(result, host_peak_gib=_host_peak_bytes() / 2**30)))
         return
-    result = run_case(job["case"], job["dtype"], job["steps"], job["method"], job["queue"])
+    result = run_case(
+        job["case"], job["dtype"], job["steps"], job["method"], job["queue"], job.get("on_device")
+    )
     print(json.dumps(result))
 
 
@@ -315,6 +280,11 @@ def main() -> None:
     p.add_argument("--queue_size", type=int, default=16384, help="MoCo's queue")
     p.add_argument("--compare_cpu_flags", action="store_true")
     p.add_argument("--compare_torch", action="store_true")
+    p.add_argument(
+        "--compare_on_device",
+        action="store_true",
+        help="time each row again with data.augment.on_device (augmentation inside the step)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="--compare_torch: rounds of all cases")
     p.add_argument(
         "--with_plain",
@@ -360,6 +330,8 @@ def main() -> None:
     header += f" {'compile s':>9} {'peak GiB':>8} {'TFLOP/s':>8} {'MFU':>6}"
     if args.compare_cpu_flags:
         header += f" {'img/s XLA defaults':>18} {'speed-up':>8}"
+    if args.compare_on_device:
+        header += f" {'img/s aug. on device':>20} {'aug. ms/step':>12} {'aug. alone ms':>13}"
     if args.reference:
         header += f" {'ratio':>6}"
     print(header)
@@ -387,6 +359,11 @@ def main() -> None:
         if args.compare_cpu_flags:
             d = spawn(dict(job, default_flags=True))
             line += f" {d['per_s']:18.1f} {r['per_s'] / d['per_s']:7.2f}x"
+        if args.compare_on_device:
+            a = spawn(dict(job, on_device=True))
+            cost = statistics.median(a["step_s"]) - statistics.median(r["step_s"])
+            alone = statistics.median(a["augment_s"])
+            line += f" {a['per_s']:20.1f} {1000 * cost:12.1f} {1000 * alone:13.1f}"
         if args.reference:
             line += f" {r['per_s'] / reference:6.2f}"
         print(line, flush=True)

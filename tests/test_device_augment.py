@@ -312,6 +312,10 @@ def test_on_device_run_trains(tmp_path_factory, tmp_path):
     for key in ("crops", "aug_seeds"):
         for a, b in zip(second[key], resumed[key], strict=True):
             np.testing.assert_array_equal(a, b)
+    # The benchmarks' stand-in batch has the pipeline's arrays (benchmarks/train_step.py).
+    fake = data.synthetic_batch(config.data, len(second["index"]))
+    for key in ("crops", "aug_seeds"):
+        assert [(a.shape, a.dtype) for a in fake[key]] == [(a.shape, a.dtype) for a in second[key]]
     summary = train.run(config, str(tmp_path))
     assert summary["step"] == config.num_epochs * data.steps_per_epoch(config.data)
     assert summary["step"] > 0

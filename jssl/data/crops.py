@@ -178,15 +178,20 @@ def host_crops(
 
 
 def synthetic_batch(data_config, batch_size: int, seed: int = 0) -> dict:
-    """A host batch of Gaussian noise shaped as the training pipeline's (every crop group),
-    for benchmarks and tests of the step that need no data."""
+    """A host batch of noise shaped as the training pipeline's (every crop group), for
+    benchmarks and tests of the step that need no data: Gaussian float32 views, or with
+    ``data.augment.on_device`` uniform uint8 crops and their ``aug_seeds``."""
     rs = np.random.RandomState(seed)
     groups = crop_groups(data_config)
-    return {
-        "crops": tuple(
-            rs.normal(size=(batch_size, g.num_crops, g.size, g.size, 3)).astype(np.float32)
-            for g in groups
-        ),
+    shapes = [(batch_size, g.num_crops, g.size, g.size, 3) for g in groups]
+    batch = {
+        "crops": tuple(rs.normal(size=shape).astype(np.float32) for shape in shapes),
         "label": np.zeros(batch_size, np.int32),
         "index": np.arange(batch_size),
     }
+    if data_config.augment.get("on_device", False):
+        batch["crops"] = tuple(rs.randint(0, 256, shape, dtype=np.uint8) for shape in shapes)
+        batch["aug_seeds"] = tuple(
+            rs.randint(0, 2**32, (batch_size, g.num_crops, 3, 2), dtype=np.uint32) for g in groups
+        )
+    return batch
