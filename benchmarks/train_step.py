@@ -6,6 +6,8 @@ r"""Images/s, compile time and peak memory of the train step, per method, model 
   python benchmarks/train_step.py --compare_cpu_flags     # jssl's CPU XLA flags vs XLA's defaults
   python benchmarks/train_step.py --compare_torch         # jssl / PyTorch, MoCo v2 (issue 11)
   python benchmarks/train_step.py --compare_on_device     # + colour, blur, ... inside the step
+  python benchmarks/train_step.py --methods=moco,swav --cases=r18_32_b64 --compare_bare
+                                                          # jssl's machinery (bare_step.py)
   python benchmarks/train_step.py --methods=dino,mocov3 --cases=vit_t_32 --dtypes=float32 \
       --reference=moco:r18_32_b64                         # ViT rows, img/s ratio to MoCo ResNet
 
@@ -75,10 +77,17 @@ def _peak_bytes(device=None) -> int:
 
 
 def run_case(
-    case: str, dtype: str, steps: int, method_name: str, queue_size: int, on_device: bool = False
+    case: str,
+    dtype: str,
+    steps: int,
+    method_name: str,
+    queue_size: int,
+    on_device: bool = False,
+    bare: bool = False,
 ) -> dict:
     """Runs in a child process: builds the method's step, compiles it and times each step."""
     sys.path.insert(0, ROOT)
+    import bare_step  # benchmarks/, on the path in the child
     import jax
 
     from jssl import data, methods, parallel
@@ -94,6 +103,8 @@ def run_case(
     state = init_state(config, method, tx, mesh)
     augment = device_augment.make_batch_augment(config.data)
     step = make_train_step(method, tx, schedule, mesh, augment=augment)
+    if bare:  # the same method without jssl's machinery around it (bare_step.py)
+        step = bare_step.make_bare_step(method, tx, mesh)
 
     host = data.synthetic_batch(config.data, spec["batch"])
     batch_arrays = parallel.host_batch_to_global(host, mesh)
@@ -201,9 +212,8 @@ def _child(job: dict) -> None:
         result = plain_step.run_case(config, job["steps"])
         print(json.dumps(dict(result, host_peak_gib=_host_peak_bytes() / 2**30)))
         return
-    result = run_case(
-        job["case"], job["dtype"], job["steps"], job["method"], job["queue"], job.get("on_device")
-    )
+    args = job["case"], job["dtype"], job["steps"], job["method"], job["queue"]
+    result = run_case(*args, job.get("on_device", False), job.get("bare", False))
     print(json.dumps(result))
 
 
@@ -281,6 +291,11 @@ def main() -> None:
     p.add_argument("--compare_cpu_flags", action="store_true")
     p.add_argument("--compare_torch", action="store_true")
     p.add_argument(
+        "--compare_bare",
+        action="store_true",
+        help="time each row's method again without jssl's machinery around it (bare_step.py)",
+    )
+    p.add_argument(
         "--compare_on_device",
         action="store_true",
         help="time each row again with data.augment.on_device (augmentation inside the step)",
@@ -332,6 +347,8 @@ def main() -> None:
         header += f" {'img/s XLA defaults':>18} {'speed-up':>8}"
     if args.compare_on_device:
         header += f" {'img/s aug. on device':>20} {'aug. ms/step':>12} {'aug. alone ms':>13}"
+    if args.compare_bare:
+        header += f" {'bare img/s':>10} {'jssl/bare img/s':>15} {'compile':>7} {'peak':>5}"
     if args.reference:
         header += f" {'ratio':>6}"
     print(header)
@@ -364,6 +381,10 @@ def main() -> None:
             cost = statistics.median(a["step_s"]) - statistics.median(r["step_s"])
             alone = statistics.median(a["augment_s"])
             line += f" {a['per_s']:20.1f} {1000 * cost:12.1f} {1000 * alone:13.1f}"
+        if args.compare_bare:
+            b = spawn(dict(job, bare=True))
+            line += f" {b['per_s']:10.1f} {r['per_s'] / b['per_s']:15.2f}"
+            line += f" {r['compile_s'] / b['compile_s']:7.2f} {r['peak_gib'] / b['peak_gib']:5.2f}"
         if args.reference:
             line += f" {r['per_s'] / reference:6.2f}"
         print(line, flush=True)
