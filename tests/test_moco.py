@@ -143,17 +143,19 @@ def test_cosine_momentum_schedule():
 def test_all_finite_sees_one_bad_element_in_any_leaf():
     """The guard's flag: any inf or NaN in any floating leaf (whatever its dtype or shape)
     makes it False, integer leaves are ignored, and it is computed inside jit."""
-    from jssl.train_step import _all_finite
+    from jssl.train_step import _CHECK_IN_PLACE, _all_finite
 
     tree = {
         "loss": jnp.float32(0.5),
         "w": jnp.ones((3, 4, 5), jnp.float32),
         "b": jnp.zeros((7,), jnp.bfloat16),
         "count": jnp.arange(4, dtype=jnp.int32),
+        "big": jnp.ones((_CHECK_IN_PLACE // 8, 8), jnp.float32),  # checked on its own
     }
     flag = jax.jit(_all_finite)
     assert bool(flag(tree)) and bool(flag({"count": tree["count"]}))
-    for name, index in (("loss", ()), ("w", (2, 3, 4)), ("b", (6,))):
+    assert bool(flag({"big": tree["big"]}))
+    for name, index in (("loss", ()), ("w", (2, 3, 4)), ("b", (6,)), ("big", (-1, 7))):
         for bad in (jnp.inf, -jnp.inf, jnp.nan):
             broken = dict(tree, **{name: tree[name].at[index].set(bad)})
             assert not bool(flag(broken)), (name, bad)
