@@ -20,9 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
 
-# Measured on the 2-core x86 CI machines with jax 0.10.2 (benchmarks/train_step.py): XLA's
-# YNNPACK fusion of individual convolutions is slower than XLA's own convolution emitter
-# for ResNet training steps; turning it off made a MoCo ResNet-18 step faster.
+# XLA's YNNPACK fusion of individual convolutions is slower than XLA's own convolution
+# emitter for ResNet training steps on CPU (benchmarks/train_step.py --compare_cpu_flags).
 CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=-individual_convolution",)
 
 
@@ -145,16 +144,17 @@ def global_to_host(tree: Any) -> Any:
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-def check_batch_divisible(global_batch: int) -> None:
-    """The global batch must split evenly over devices and processes."""
+def check_batch_divisible(global_batch: int, field: str = "data.batch_size") -> None:
+    """The global batch (the config field ``field``) must split evenly over devices and
+    processes."""
     n, p = jax.device_count(), jax.process_count()
     if global_batch % n:
         raise ValueError(
-            f"data.batch_size={global_batch} is not divisible by the {n} devices; "
-            f"set --config.data.batch_size to a multiple of {n}."
+            f"{field}={global_batch} is not divisible by the {n} devices; "
+            f"set --config.{field} to a multiple of {n}."
         )
     if global_batch % p:
         raise ValueError(
-            f"data.batch_size={global_batch} is not divisible by the {p} processes; "
-            f"set --config.data.batch_size to a multiple of {p}."
+            f"{field}={global_batch} is not divisible by the {p} processes; "
+            f"set --config.{field} to a multiple of {p}."
         )

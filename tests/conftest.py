@@ -43,6 +43,14 @@ def pytest_collection_modifyitems(config, items):
 def _session_compilation_cache(tmp_path_factory):
     """Every in-process test reads and writes the session's compilation cache (a step that
     one test compiled is loaded, not compiled again, by the next test that builds it)."""
-    from test_launch import enable_compilation_cache, shared_cache_dir
+    from support.launch import enable_compilation_cache, shared_cache_dir
 
     enable_compilation_cache(str(shared_cache_dir(tmp_path_factory)))
+
+
+@pytest.fixture(scope="session")
+def shared_dirs(tmp_path_factory):
+    """(demo data dir, compilation cache dir) shared by every test of the session."""
+    from support.launch import prepare_shared_dirs
+
+    return prepare_shared_dirs(tmp_path_factory)

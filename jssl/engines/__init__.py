@@ -1,25 +1,31 @@
-"""Engines: what a run does with a config. ``config.engine`` names one; each is a module
-``jssl.engines.<name>`` with ``run(config, workdir) -> dict``."""
+"""Engines: what a run does with a config. ``config.engine`` names one of ``ENGINES``; each is
+the module ``jssl.engines.<name>`` exposing ``run(config, workdir) -> dict`` and, where it has
+start-up checks, ``validate(config)``, which ``run`` here calls before the workdir is touched.
+Adding an engine is one module and one name here."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
+from collections.abc import Iterable
+from types import ModuleType
 from typing import Any
 
 import ml_collections
 from absl import logging
 
-from jssl import workdir as workdir_lib
+from jssl.checkpoints import source_model
+from jssl.checkpoints import workdir as workdir_lib
 
 ENGINES = ("train", "extract_features", "knn", "linear_eval")
 
 
 def exit_status(summary: dict[str, Any]) -> int:
     """The process exit status for an engine's summary: 0 when it finished, 75
-    (``preemption.PREEMPTED_EXIT_CODE``) when it stopped on SIGTERM after saving, so that a
-    scheduler or wrapper script knows to rerun the same command to resume."""
-    from jssl.engines import preemption
+    (``preemption.PREEMPTED_EXIT_CODE``) when it stopped on SIGTERM or a first Ctrl-C after
+    saving, so that a scheduler or wrapper script knows to rerun the same command to resume."""
+    from jssl.training import preemption
 
     return preemption.PREEMPTED_EXIT_CODE if summary.get("preempted") else 0
 
@@ -65,20 +71,59 @@ def quiet_orbax_info_logs() -> None:
     logging.get_absl_handler().addFilter(_DropOrbaxInfo())
 
 
-_MODULES = {"extract_features": "extract", "knn": "evaluate", "linear_eval": "evaluate"}
+def check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
+    """Start-up check that each dotted ``field`` of ``config`` is an integer >= 1."""
+    for field in fields:
+        value = config
+        for name in field.split("."):
+            value = value[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}={value!r} must be positive: set --config.{field}=<n> > 0.")
+
+
+def engine_module(name: str) -> ModuleType:
+    """The module of engine ``name`` (imported)."""
+    if name not in ENGINES:
+        raise ValueError(f"engine={name!r} is not one of {ENGINES}; set --config.engine.")
+    return importlib.import_module(f"jssl.engines.{name}")
 
 
 def engine_function(name: str):
     """The ``run(config, workdir)`` function of engine ``name`` (importing its module)."""
-    if name not in ENGINES:
-        raise ValueError(f"engine={name!r} is not one of {ENGINES}; set --config.engine.")
-    engine = importlib.import_module(f"jssl.engines.{_MODULES.get(name, name)}")
-    return getattr(engine, "run_" + name if name in _MODULES else "run")
+    return engine_module(name).run
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def validate(config: ml_collections.ConfigDict) -> None:
+    """The start-up checks of ``config.engine`` (its module's ``validate``, where it has one);
+    each failure raises an exception that names the field and the fix."""
+    check = getattr(engine_module(config.engine), "validate", None)
+    if check is not None:
+        check(config)
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    explicit: Iterable[str] = (),
+    batches: Any = None,
+    steps_per_epoch: int | None = None,
+) -> dict[str, Any]:
+    """Runs ``config.engine`` on ``workdir``: the config is validated first, so a refused
+    config leaves nothing behind (no workdir, no config.json, no compilation cache).
+
+    An evaluation engine first takes the ``model.*`` fields of the workdir it evaluates
+    (jssl.checkpoints.source_model), except the dotted fields in ``explicit`` (the command
+    line's overrides). ``batches`` and ``steps_per_epoch`` (train only) replace jssl's input
+    pipeline by the caller's own host batches (see ``jssl.train``)."""
     name = config.engine
     run_engine = engine_function(name)
+    if batches is not None:
+        if name != "train":
+            raise ValueError(f"batches= is for engine='train', not {name!r}.")
+        run_engine = functools.partial(run_engine, batches=batches, steps_per_epoch=steps_per_epoch)
+    source_model.adopt(config, workdir, explicit)
+    validate(config)
     enable_compilation_cache(config)
     if name == "extract_features":
         # Extraction may read the training run's own workdir (its config stays as it is);
@@ -86,6 +131,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         with workdir_lib.lock(workdir):
             return run_engine(config, workdir)
     # One run per workdir at a time, and the workdir's first config kept and enforced
-    # (a resumed run must not change what it trains; see jssl.workdir.SAFE_FIELDS).
+    # (a resumed run must not change what it trains; see jssl.checkpoints.workdir.SAFE_FIELDS).
     with workdir_lib.open_run(config, workdir):
         return run_engine(config, workdir)

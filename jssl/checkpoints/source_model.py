@@ -1,0 +1,74 @@
+"""The trunk of the run being evaluated: the evaluation engines (kNN, linear evaluation,
+feature extraction) take the ``model.*`` fields recorded in the ``config.json`` of the jssl
+workdir they read, so ``--config.init.checkpoint=runs/dino_demo`` is enough to evaluate a
+DINO demo with any evaluation preset. A field given on the command line wins, and
+``--config.init.model_from_checkpoint=False`` turns the adoption off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import ml_collections
+from absl import logging
+
+from jssl.checkpoints import workdir as workdir_lib
+
+ENGINES = ("extract_features", "knn", "linear_eval")
+
+
+def source_path(config: ml_collections.ConfigDict, workdir: str) -> str:
+    """Where the evaluated weights come from: ``init.checkpoint``, or for extraction without
+    one the workdir's own checkpoints."""
+    return config.init.checkpoint or (workdir if config.engine == "extract_features" else "")
+
+
+def adopt(
+    config: ml_collections.ConfigDict, workdir: str, explicit: Iterable[str] = ()
+) -> list[str]:
+    """Sets ``config.model.*`` to the values recorded by the workdir of the evaluated weights,
+    except the fields in ``explicit`` (dotted names, e.g. ``model.trunk``, the command line's
+    overrides). Returns the ``--config.model.*`` flags it applied (logged), [] when nothing
+    changed, the engine trains, or the weights are a PyTorch file without a config.json."""
+    if config.engine not in ENGINES or not config.init.get("model_from_checkpoint", True):
+        return []
+    path = source_path(config, workdir)
+    if not path:
+        return []
+    recorded = workdir_lib.recorded_config(path)
+    explicit = set(explicit)
+    applied = []
+    for field, value in sorted(recorded.items()):
+        # The compute dtype is the evaluation's choice, not a property of the weights.
+        if not field.startswith("model.") or field in explicit or field == "model.dtype":
+            continue
+        name = field[len("model.") :]
+        if name not in config.model or "." in name:
+            continue
+        current = config.model[name]
+        new = _typed(value, current)
+        if new is None or workdir_lib.same_value(new, current):
+            continue
+        config.model[name] = new
+        applied.append(f"--config.{field}={workdir_lib.flag_value(value)}")
+    if applied:
+        logging.info("Model of %s, from its workdir's config.json: %s", path, " ".join(applied))
+    return applied
+
+
+def _typed(value: Any, current: Any) -> Any:
+    """``value`` (as JSON read it) in the type of the config's field, None when it cannot
+    be (a field whose meaning changed: the config's value is kept)."""
+    if isinstance(current, tuple):
+        return tuple(value) if isinstance(value, list) else None
+    if isinstance(current, bool):
+        return value if isinstance(value, bool) else None
+    if isinstance(current, int) and not isinstance(current, bool):
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(current, float):
+        return (
+            float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+        )
+    if isinstance(current, str):
+        return value if isinstance(value, str) else None
+    return None

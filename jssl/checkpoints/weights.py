@@ -1,0 +1,377 @@
+"""Loading trained weights for evaluation and initialisation: the one place that reads them.
+
+Sources (``init.checkpoint``):
+
+- a jssl workdir (its newest readable checkpoint), its ``checkpoints`` directory, or one step
+  directory ``workdir/checkpoints/<step>``: only ``params`` and ``batch_stats`` of the saved
+  TrainState are read (orbax partial restore), so the optimizer, the momentum encoder and
+  the queue are never loaded and the optimizer config does not have to match;
+- a PyTorch ResNet file (``.torch`` from VISSL's model zoo, ``.pth``/``.pt`` from
+  torchvision or MoCo) or ViT file (timm, DINO, MoCo v3; ``model.trunk="vit_*"``): the trunk
+  comes from the file, the head stays randomly initialised.
+
+Two users:
+
+- ``load_variables(path, config)``: ``{"params", "batch_stats"}`` of the online model for the
+  evaluation engines; every array must fit the configured model. With ``trunk_only=True``
+  (what the engines use unless a ``head`` layer is asked for) only the trunk is read and must
+  fit, so any method's workdir (a DINO or SwAV head, a BYOL predictor) can be evaluated with
+  the MoCo-based evaluation presets and the trunk's ``--config.model.*`` fields.
+- ``checkpoints.warm_start.init_train_state(config, state)``: a fresh TrainState started from those
+  weights, for the train engine when its workdir has nothing to resume; it reads through
+  ``read_newest``, ``saved_shapes``, ``read_arrays`` and ``read_torch`` here.
+
+Given a workdir or checkpoints dir, a checkpoint that is really incomplete or corrupt
+(truncated or missing files; ``checkpoints.manager.is_corrupt``, the classifier the train engine's
+resume uses too) is skipped, loudly, for the next older one; nothing in the source workdir is
+renamed or written. A step dir given explicitly is never replaced by another. Read errors that
+do not show corruption (permissions, I/O errors) propagate.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+from flax import traverse_util
+from jax.sharding import Mesh
+
+from jssl import methods, models, parallel
+from jssl.checkpoints import integrity
+
+TORCH_SUFFIXES = (".torch", ".pth", ".pt")
+COLLECTIONS = ("params", "batch_stats")  # the model's variables that weights carry
+# The part of the model that must fit exactly when starting training from weights: a trunk
+# loaded with holes would silently train a half-random network. Heads may differ.
+STRICT = ("trunk",)
+_VALID = (
+    "Pass the workdir of a jssl training run (e.g. runs/demo, which holds "
+    "checkpoints/<step>/state/), its checkpoints/ dir, one step dir checkpoints/<step>, or a "
+    "PyTorch ResNet file ending in .torch/.pth/.pt."
+)
+
+Flat = dict[tuple[str, ...], Any]  # (collection, *path) -> array or shape
+
+
+class WeightsError(ValueError):
+    """The weights could not be found or do not fit the configured model."""
+
+
+def abstract_variables(config: ml_collections.ConfigDict, model: Any = None) -> dict[str, Any]:
+    """Shapes and dtypes of ``{"params", "batch_stats"}`` of the configured online model."""
+    model = methods.get(config).model if model is None else model
+    size = config.data.image_size
+    variables = jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, size, size, 3)), train=False)
+    )
+    return {name: dict(variables.get(name, {})) for name in COLLECTIONS}
+
+
+def trunk_model(config: ml_collections.ConfigDict) -> models.TrunkAndHead:
+    """The configured trunk alone (``model.head_dims=()``), whatever the method's head."""
+    model_config = ml_collections.ConfigDict(config.model.to_dict())
+    model_config.head_dims = ()
+    return models.build_model(model_config)
+
+
+def load_variables(
+    path: str,
+    config: ml_collections.ConfigDict,
+    *,
+    mesh: Mesh | None = None,
+    trunk_only: bool = False,
+) -> dict[str, Any]:
+    """``{"params", "batch_stats"}`` of ``methods.get(config).model`` loaded from ``path``.
+
+    Args:
+      path: a jssl workdir, its ``checkpoints`` dir, a step dir ``checkpoints/<step>``, or a
+        PyTorch ResNet file ending in .torch/.pth/.pt (trunk only, the head stays random).
+        A workdir's newest checkpoint, if incomplete or corrupt, is skipped (with an error
+        logged) for the newest readable one; a step dir is read as given or not at all.
+      config: the run config; ``config.model`` must describe the architecture the weights
+        were trained with, ``config.seed`` seeds the random head of imported trunks.
+      mesh: the arrays come back replicated over it (default: all devices).
+      trunk_only: read only the trunk (the variables of ``trunk_model(config)``); the saved
+        head, whatever its shape, is neither read nor checked.
+
+    Raises:
+      WeightsError: nothing readable at ``path``, or the weights do not fit ``config.model``.
+    """
+    if not path:
+        raise WeightsError(
+            "No weights given: set --config.init.checkpoint to a jssl workdir (e.g. runs/demo), "
+            "a checkpoint step dir (runs/demo/checkpoints/<step>) or a .torch/.pth file."
+        )
+    mesh = parallel.make_mesh() if mesh is None else mesh
+    model = trunk_model(config) if trunk_only else methods.get(config).model
+    if path.endswith(TORCH_SUFFIXES):
+        return _load_torch(path, config, model, mesh)
+    expected = abstract_variables(config, model)
+    sharding = parallel.replicated(mesh)
+    # An empty collection (a ViT trunk has no batch_stats) is left out of the restore target:
+    # orbax cannot trim a saved subtree to an empty dict.
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        {name: tree for name, tree in expected.items() if tree},
+    )
+
+    def read(state_dir: str) -> dict[str, Any]:
+        saved = saved_shapes(state_dir)
+        if trunk_only:
+            saved = {key: shape for key, shape in saved.items() if key[1:2] == ("trunk",)}
+        _check_architecture(state_dir, saved, expected, config)
+        return _restore(state_dir, target, ocp.checkpoint_utils.construct_restore_args(target))
+
+    state_dir, restored = read_newest(path, read)
+    part = "trunk" if trunk_only else "online model"
+    logging.info("Loaded params and batch_stats of the %s from %s", part, state_dir)
+    return {name: restored.get(name, {}) for name in COLLECTIONS}
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The ``state`` directory of the newest checkpoint that ``path`` points at whose save
+    completed (it is not read here, so it may still turn out corrupt; ``load_variables``
+    then falls back to an older one)."""
+    return _candidates(path)[0][0]
+
+
+def _candidates(path: str) -> tuple[list[str], bool]:
+    """``state`` dirs at ``path``, newest first, and whether ``path`` named one explicitly."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(path):
+        raise WeightsError(
+            f"Checkpoint path {path} does not exist. {_VALID} For example "
+            "--config.init.checkpoint=runs/demo after `python launch.py "
+            "--config=configs/moco.py:demo --workdir=runs/demo`."
+        )
+    if not os.path.isdir(path):
+        raise WeightsError(f"{path} is a file, not a PyTorch checkpoint. {_VALID}")
+    parent = os.path.basename(os.path.dirname(path))
+    if os.path.basename(path) == "state" and parent.isdigit():  # the state dir itself
+        return [path], True
+    if os.path.isdir(os.path.join(path, "state")):  # a step dir
+        return [os.path.join(path, "state")], True
+    if os.path.basename(path).isdigit() and parent == "checkpoints":
+        raise WeightsError(
+            f"The step dir {path} has no state/ subdirectory: its save never completed or "
+            f"it was damaged. Pass the workdir ({os.path.dirname(os.path.dirname(path))}) to "
+            "use its newest complete checkpoint, or another step dir."
+        )
+    ckpt_dir = path
+    if os.path.isdir(os.path.join(path, "checkpoints")):  # a workdir
+        ckpt_dir = os.path.join(path, "checkpoints")
+    entries = sorted(os.listdir(ckpt_dir))
+    found = []
+    for step in sorted((int(e) for e in entries if e.isdigit()), reverse=True):
+        state_dir = os.path.join(ckpt_dir, str(step), "state")
+        if os.path.isdir(state_dir):
+            found.append(state_dir)
+        else:
+            logging.warning("Skipping %s: it has no state/ (an incomplete save).", state_dir)
+    if not found:
+        listing = ", ".join(entries[:8]) + (" ..." if len(entries) > 8 else "") or "nothing"
+        raise WeightsError(
+            f"No checkpoint found in {path} (it holds: {listing}). {_VALID} Has the training "
+            "run saved one yet (checkpoints are written at the end of every epoch)?"
+        )
+    return found, False
+
+
+def read_newest(path: str, read: Callable[[str], Any]) -> tuple[str, Any]:
+    """``(state_dir, read(state_dir))`` for the newest checkpoint at ``path`` that reads.
+
+    Falls back to older checkpoints only past ones that are really incomplete or corrupt,
+    and only when ``path`` is a workdir or checkpoints dir; the skipped ones are left as
+    they are (an evaluation must not modify a training workdir).
+    """
+    candidates, explicit = _candidates(path)
+    failures = []
+    for state_dir in candidates:
+        try:
+            return state_dir, read(state_dir)
+        except WeightsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - classified below, re-raised unless damaged
+            # Damage is decided by reading the files back, as the train engine's resume does.
+            step_dir, item = os.path.split(state_dir)
+            verdict, reason = integrity.diagnose(step_dir, e, pytrees=(item,), jsons=())
+            if verdict != "damaged":
+                logging.error("Reading the checkpoint %s failed: %s", state_dir, e)
+                raise
+            if explicit:
+                raise WeightsError(
+                    f"The checkpoint {state_dir} is incomplete or corrupt ({reason}). Pass the "
+                    "workdir or its checkpoints/ dir to use the newest readable checkpoint, "
+                    "or another step dir."
+                ) from e
+            logging.error(
+                "Skipping the checkpoint %s: it is incomplete or corrupt (%s); trying the next "
+                "older one. It is left in place; move it away once inspected.",
+                os.path.dirname(state_dir),
+                reason,
+            )
+            failures.append(f"  {os.path.dirname(state_dir)}: {reason}")
+    raise WeightsError(
+        f"Every checkpoint at {path} is incomplete or corrupt:\n" + "\n".join(failures) + "\n"
+        "Pass another workdir or a .torch/.pth file, or retrain."
+    )
+
+
+def saved_shapes(state_dir: str) -> Flat:
+    """``(collection, *path) -> shape`` of ``params`` and ``batch_stats`` in a saved state.
+
+    Reads orbax's metadata through the handler, which raises on damaged files (the
+    Checkpointer's ``metadata`` logs and returns None instead).
+    """
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        tree = handler.metadata(epath.Path(state_dir))
+    finally:
+        handler.close()
+    tree = getattr(tree, "tree", tree)
+    missing = [name for name in COLLECTIONS if name not in tree]
+    if missing:
+        raise WeightsError(
+            f"{state_dir} is not a jssl TrainState checkpoint (no {missing}); it holds "
+            f"{sorted(tree)}. {_VALID}"
+        )
+    return {
+        (name, *key): tuple(leaf.shape)
+        for name in COLLECTIONS
+        for key, leaf in traverse_util.flatten_dict(dict(tree[name])).items()
+    }
+
+
+def read_arrays(state_dir: str, shapes: Flat) -> Flat:
+    """The arrays at the keys of ``shapes`` (``(collection, *path) -> shape``) of a saved state,
+    as host float32 numpy arrays; the rest of the checkpoint is not read."""
+    target = traverse_util.unflatten_dict(
+        {key: jax.ShapeDtypeStruct(shape, np.float32) for key, shape in shapes.items()}
+    )
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    return traverse_util.flatten_dict(_restore(state_dir, target, args))
+
+
+def _restore(state_dir: str, target: Any, restore_args: Any) -> Any:
+    return ocp.PyTreeCheckpointer().restore(
+        state_dir,
+        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+    )
+
+
+def _check_architecture(
+    state_dir: str, saved: Flat, expected: dict[str, Any], config: ml_collections.ConfigDict
+) -> None:
+    """Compares saved shapes with the configured model, naming the first differences."""
+    wanted = {
+        (name, *key): tuple(v.shape)
+        for name in COLLECTIONS
+        for key, v in traverse_util.flatten_dict(expected[name]).items()
+    }
+    problems = [line for _, line in differences(saved, wanted, lambda key: True)]
+    if problems:
+        shown = "\n  ".join(problems[:8])
+        more = f"\n  ... ({len(problems)} differences in all)" if len(problems) > 8 else ""
+        model = describe_model(config)
+        raise WeightsError(
+            f"The checkpoint {state_dir} does not fit the configured model ({model})"
+            f":\n  {shown}{more}\nUse the model config the checkpoint was trained with (e.g. "
+            "the same configs/*.py preset and --config.model.* overrides; the workdir's "
+            f"config.json has them).{match_hint(state_dir, config)}"
+        )
+
+
+def match_hint(path: str, config: ml_collections.ConfigDict) -> str:
+    """For a mismatch message: the flags that give ``config`` the model of the workdir
+    holding ``path``, as recorded in its config.json ('' when there are none)."""
+    from jssl.checkpoints import workdir
+
+    flags = workdir.flags_to_match(path, config)
+    return f"\nIts workdir's config.json differs in: {' '.join(flags)}" if flags else ""
+
+
+def differences(saved: Flat, wanted: Flat, strict: Callable[[tuple], bool]) -> list[tuple]:
+    """``(key, line)`` per difference under ``strict`` keys, in the model's natural order."""
+    problems = []
+    for key in sorted(set(saved) | set(wanted), key=natural_key):
+        if not strict(key):
+            continue
+        name = "/".join(key)
+        if key not in saved:
+            problems.append((key, f"{name}: missing in the checkpoint"))
+        elif key not in wanted:
+            problems.append((key, f"{name}: not in the configured model"))
+        elif tuple(saved[key]) != tuple(wanted[key]):
+            line = f"{name}: checkpoint {tuple(saved[key])}, model {wanted[key]}"
+            problems.append((key, line))
+    return problems
+
+
+def natural_key(key: tuple) -> tuple:
+    """Sort key: params before batch_stats, trunk first, layer2 before layer10."""
+    parts = [(int(p), "") if p.isdigit() else (0, p) for p in re.split(r"(\d+)", "/".join(key))]
+    return (COLLECTIONS.index(key[0]), key[1] not in STRICT, parts)
+
+
+def describe_model(config: ml_collections.ConfigDict) -> str:
+    """The architecture fields of ``config.model`` that weights must match, for messages."""
+    m = config.model
+    return (
+        f"trunk={m.trunk}, width_multiplier={m.width_multiplier}, cifar_stem={m.cifar_stem}, "
+        f"head_dims={tuple(m.head_dims)}, head_bn={m.head_bn}"
+    )
+
+
+def read_torch(path: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """``{"params", "batch_stats"}`` host trees imported from a PyTorch ResNet file (only
+    ``params`` from a ViT file: a ViT has no batch statistics)."""
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise WeightsError(f"PyTorch weights file {path} does not exist. {_VALID}")
+    from jssl import models
+    from jssl.models import torch_import, vit_import
+
+    try:
+        if models.is_vit(config.model):
+            return vit_import.import_torch_vit(path, config.model)
+        return torch_import.import_torch_resnet(path, config.model)
+    except ValueError as e:
+        raise WeightsError(f"init.checkpoint {path}: {e}") from e
+
+
+def _load_torch(path: str, config: ml_collections.ConfigDict, model: Any, mesh: Mesh):
+    imported = read_torch(path, config)
+    size = config.data.image_size
+    init = jax.jit(
+        lambda rng: model.init(rng, jnp.zeros((1, size, size, 3)), train=False),
+        out_shardings=parallel.replicated(mesh),
+    )
+    fresh = init(jax.random.PRNGKey(config.seed))
+    variables = {name: dict(fresh.get(name, {})) for name in COLLECTIONS}
+    for name in COLLECTIONS:
+        trunk = imported.get(name, {}).get("trunk")
+        if trunk is None:
+            continue
+        shapes = jax.tree.map(lambda x: x.shape, variables[name]["trunk"])
+        if jax.tree.map(lambda x: x.shape, trunk) != shapes:
+            raise WeightsError(
+                f"The trunk {name} imported from {path} do not fit config.model; use the model "
+                "config of the network the file holds."
+            )
+        variables[name]["trunk"] = jax.device_put(trunk, parallel.replicated(mesh))
+    if "head" in variables["params"]:
+        logging.warning(
+            "Imported the trunk from %s; the head (model.head_dims=%s) is randomly initialised.",
+            path,
+            tuple(config.model.head_dims),
+        )
+    return variables

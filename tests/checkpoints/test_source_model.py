@@ -1,0 +1,62 @@
+"""Evaluation engines take the evaluated workdir's model fields (jssl.checkpoints.source_model):
+from its config.json, except fields given on the command line, and not for training."""
+
+import json
+import os
+
+from configs import dino, knn, linear_eval, moco
+from jssl import cli
+from jssl.checkpoints import source_model
+
+
+def _workdir(tmp_path, config) -> str:
+    workdir = tmp_path / "trained"
+    (workdir / "checkpoints" / "8").mkdir(parents=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    return str(workdir)
+
+
+def test_knn_takes_the_vit_model_of_a_dino_workdir(tmp_path):
+    trained = dino.get_config("demo_vit")
+    config = knn.get_config("demo")
+    assert config.model.trunk != trained.model.trunk
+    config.init.checkpoint = os.path.join(_workdir(tmp_path, trained), "checkpoints", "8")
+    applied = source_model.adopt(config, str(tmp_path / "eval"))
+    for field in ("trunk", "patch_size", "vit_depth", "head_dims", "image_size"):
+        assert config.model[field] == trained.model[field], field
+    assert f"--config.model.trunk={trained.model.trunk}" in applied
+    assert isinstance(config.model.head_dims, tuple)
+
+
+def test_a_field_given_on_the_command_line_wins(tmp_path):
+    trained = moco.get_config("demo")
+    trained.model.width_multiplier = 0.5
+    config = linear_eval.get_config("demo")
+    config.init.checkpoint = _workdir(tmp_path, trained)
+    config.model.width_multiplier = 0.25
+    source_model.adopt(config, str(tmp_path / "eval"), explicit=["model.width_multiplier"])
+    assert config.model.width_multiplier == 0.25
+    source_model.adopt(config, str(tmp_path / "eval"))
+    assert config.model.width_multiplier == 0.5
+
+
+def test_turned_off_training_and_torch_files_keep_the_config(tmp_path):
+    trained = dino.get_config("demo_vit")
+    path = _workdir(tmp_path, trained)
+    config = knn.get_config("demo")
+    config.init.checkpoint = path
+    config.init.model_from_checkpoint = False
+    assert source_model.adopt(config, "x") == []
+    train = moco.get_config("demo")
+    train.init.checkpoint = path
+    assert source_model.adopt(train, "x") == []
+    config = knn.get_config("demo")
+    config.init.checkpoint = str(tmp_path / "resnet50.pth")
+    before = json.loads(config.to_json_best_effort())
+    assert source_model.adopt(config, "x") == []
+    assert json.loads(config.to_json_best_effort()) == before
+
+
+def test_command_line_overrides_are_the_explicit_fields():
+    argv = ["jssl", "--config=configs/knn.py:demo", "--config.model.trunk=vit_tiny", "--workdir=w"]
+    assert cli.overridden_fields(argv) == ["model.trunk"]

@@ -1,0 +1,357 @@
+"""The ViT trunk (jssl/models/vit.py) against a PyTorch ViT in timm's layout on the same weights,
+the import of timm / DINO / MoCo v3 files, and the evaluation engines on an imported ViT.
+
+timm itself is not a dependency (it pulls torchvision and a torch upgrade); the same comparison
+against ``timm.models.vision_transformer.VisionTransformer(dynamic_img_size=True)``, run by hand
+on 2026-11-22 with timm 1.0.31 and ViT-Tiny/16 weights, gave max differences of 2.7e-6 (224 px)
+and 2.1e-6 (96 px) in the class token."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.launch import prepare_shared_dirs
+
+from configs import knn as knn_config
+from configs import linear_eval as linear_eval_config
+from jssl import models
+from jssl.checkpoints import weights
+from jssl.engines import knn as knn_engine
+from jssl.engines import linear_eval
+from jssl.models import vit, vit_import
+from jssl.optim import transforms
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+class TorchViT(torch.nn.Module):
+    """A PyTorch ViT with timm's state-dict layout and forward (timm/models/
+    vision_transformer.py VisionTransformer with dynamic_img_size=True, class token, no
+    head): the reference the jssl trunk must match. ``get_class_tokens`` returns the normed
+    class token after each block, as timm's / DINO's get_intermediate_layers(norm=True)."""
+
+    def __init__(self, image_size=224, patch=16, dim=192, depth=12, heads=3):
+        super().__init__()
+        self.heads, self.patch = heads, patch
+        self.patch_embed = torch.nn.Module()
+        self.patch_embed.proj = torch.nn.Conv2d(3, dim, patch, patch)
+        self.cls_token = torch.nn.Parameter(torch.randn(1, 1, dim) * 0.1)
+        self.pos_embed = torch.nn.Parameter(torch.randn(1, 1 + (image_size // patch) ** 2, dim))
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(depth):
+            block = torch.nn.Module()
+            block.norm1 = torch.nn.LayerNorm(dim, eps=1e-6)
+            block.attn = torch.nn.Module()
+            block.attn.qkv = torch.nn.Linear(dim, 3 * dim)
+            block.attn.proj = torch.nn.Linear(dim, dim)
+            block.norm2 = torch.nn.LayerNorm(dim, eps=1e-6)
+            block.mlp = torch.nn.Module()
+            block.mlp.fc1 = torch.nn.Linear(dim, 4 * dim)
+            block.mlp.fc2 = torch.nn.Linear(4 * dim, dim)
+            self.blocks.append(block)
+        self.norm = torch.nn.LayerNorm(dim, eps=1e-6)
+        with torch.no_grad():  # non-trivial norms and biases
+            for name, p in self.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+
+    def _attention(self, block, x):
+        b, t, d = x.shape
+        qkv = block.attn.qkv(x).reshape(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return block.attn.proj(out.transpose(1, 2).reshape(b, t, d))
+
+    def get_class_tokens(self, x):
+        x = self.patch_embed.proj(x)
+        b, d, h, w = x.shape
+        old = int(round((self.pos_embed.shape[1] - 1) ** 0.5))
+        grid = self.pos_embed[:, 1:].reshape(1, old, old, d).permute(0, 3, 1, 2)
+        # timm's resample_abs_pos_embed: bicubic with antialiasing
+        grid = F.interpolate(grid, size=(h, w), mode="bicubic", antialias=True)
+        pos = torch.cat([self.pos_embed[:, :1], grid.permute(0, 2, 3, 1).reshape(1, h * w, d)], 1)
+        x = torch.cat([self.cls_token.expand(b, -1, -1), x.flatten(2).transpose(1, 2)], 1) + pos
+        tokens = []
+        for block in self.blocks:
+            x = x + self._attention(block, block.norm1(x))
+            x = x + block.mlp.fc2(F.gelu(block.mlp.fc1(block.norm2(x))))
+            tokens.append(self.norm(x))
+        return tokens
+
+
+def _model_config(trunk="vit_tiny", patch=16, image_size=224):
+    config = models.default_config()
+    config.trunk, config.patch_size, config.image_size = trunk, patch, image_size
+    config.head_dims = ()
+    return config
+
+
+def _timm_vit(image_size=224, patch=16, seed=0):
+    torch.manual_seed(seed)
+    return TorchViT(image_size, patch).eval()
+
+
+def _numpy_state(net):
+    return {k: v.detach().numpy() for k, v in net.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def tiny224():
+    net = _timm_vit()
+    return net, vit_import.torch_vit_to_flax(_numpy_state(net), _model_config())
+
+
+@pytest.mark.parametrize("size", [224, 96])
+def test_forward_matches_torch(tiny224, size):
+    """At the native 224 px and at 96 px (position embeddings resampled, as multi-crop's local
+    crops need), every tap equals the PyTorch ViT's on the same weights."""
+    net, variables = tiny224
+    x = np.random.default_rng(size).normal(size=(2, size, size, 3)).astype(np.float32)
+    with torch.no_grad():
+        normed = net.get_class_tokens(torch.from_numpy(x).permute(0, 3, 1, 2))
+        tokens = normed[-1].numpy()
+    cls4 = np.concatenate([t[:, 0].numpy() for t in normed[-4:]], axis=-1)
+    trunk = models.build_trunk(_model_config())
+    taps = jax.jit(lambda v, x: trunk.apply(v, x, train=False))(variables, x)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(taps["avgpool"], tokens[:, 0], **tol)
+    np.testing.assert_allclose(taps["patch_avg"], tokens[:, 1:].mean(1), **tol)
+    np.testing.assert_allclose(taps["concat_cls4"], cls4, **tol)
+    np.testing.assert_allclose(taps["block9"], cls4[:, :192], **tol)
+    assert taps["cls_patch_avg"].shape == (2, 384)
+
+
+def test_parameter_counts_match_the_published_models():
+    """ViT-S/16 21.7M and ViT-B/16 85.8M parameters without a head (DeiT Table 1; timm)."""
+
+    def count(trunk):
+        model = models.build_trunk(_model_config(trunk))
+        shapes = jax.eval_shape(
+            lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)
+        )
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+
+    assert count("vit_small") == 21_665_664
+    assert count("vit_base") == 85_798_656
+    assert models.trunk_feature_dim(_model_config("vit_base")) == 768
+
+
+@pytest.mark.parametrize("layout", ["dino_teacher", "mocov3", "plain"])
+def test_published_layouts_load_through_init_checkpoint(tiny224, tmp_path, layout):
+    net, expected = tiny224
+    state = net.state_dict()
+    if layout == "dino_teacher":  # DINO's training checkpoint: the teacher's backbone + head
+        saved = {"teacher": {**{f"backbone.{k}": v for k, v in state.items()}}}
+        saved["teacher"]["head.mlp.0.weight"] = torch.zeros(8, 192)
+    elif layout == "mocov3":  # both encoders and the predictor under module.
+        saved = {
+            "epoch": 300,
+            "state_dict": {
+                **{f"module.base_encoder.{k}": v for k, v in state.items()},
+                **{f"module.momentum_encoder.{k}": v + 1 for k, v in state.items()},
+                "module.base_encoder.head.0.weight": torch.zeros(8, 192),
+                "module.predictor.0.weight": torch.zeros(8, 8),
+            },
+        }
+    else:
+        saved = dict(state)
+    path = tmp_path / "vit.pth"
+    torch.save(saved, path)
+    config = knn_config.get_config("test")
+    config.model.update(_model_config())
+    loaded = weights.read_torch(str(path), config)
+    assert set(loaded) == {"params"}
+    jax.tree.map(np.testing.assert_array_equal, loaded["params"]["trunk"], expected["params"])
+
+
+def test_mismatches_are_named(tiny224, tmp_path):
+    net, _ = tiny224
+    path = tmp_path / "tiny.pth"
+    torch.save(net.state_dict(), path)
+    config = knn_config.get_config("test")
+    config.model.update(_model_config("vit_small"))
+    with pytest.raises(
+        weights.WeightsError, match=r"(?s)Shape mismatches.*width 192.*read as vit_small"
+    ):
+        weights.read_torch(str(path), config)
+    config.model.update(_model_config("vit_tiny", patch=8))
+    with pytest.raises(weights.WeightsError, match=r"patch 16.*patch 8"):
+        weights.read_torch(str(path), config)
+    resnet = {"conv1.weight": torch.zeros(64, 3, 7, 7)}
+    torch.save(resnet, path)
+    config.model.update(_model_config("vit_tiny"))
+    with pytest.raises(weights.WeightsError, match=r"No ViT weights found.*conv1\.weight"):
+        weights.read_torch(str(path), config)
+
+
+def test_position_embeddings_are_resampled_on_import(tiny224):
+    """224 px weights into a 32 px model: pos_embed's 14x14 grid becomes 4x4 (timm's
+    resample on load); the class token's embedding is kept."""
+    net, _ = tiny224
+    state = _numpy_state(net)
+    loaded = vit_import.torch_vit_to_flax(state, _model_config(patch=16, image_size=64))
+    pos = loaded["params"]["pos_embed"]
+    assert pos.shape == (1, 17, 192)
+    np.testing.assert_array_equal(pos[:, 0], state["pos_embed"][:, 0])
+    np.testing.assert_allclose(
+        pos[:, 1:], vit.resample_pos_embed(jnp.asarray(state["pos_embed"][:, 1:]), (4, 4))
+    )
+
+
+def test_drop_path_drops_whole_examples():
+    layer = vit.DropPath(0.5)
+    x = jnp.ones((64, 3, 4))
+    y = layer.apply({}, x, train=True, rngs={"dropout": jax.random.key(0)})
+    per_example = np.asarray(y).reshape(64, -1)
+    assert set(np.unique(per_example)) == {0.0, 2.0}  # kept examples scaled by 1 / (1 - 0.5)
+    assert np.all(per_example.min(1) == per_example.max(1))
+    assert 16 < int((per_example[:, 0] == 0).sum()) < 48
+    np.testing.assert_array_equal(layer.apply({}, x, train=False), x)
+
+
+def test_bf16_compute_keeps_float32_parameters(tiny224):
+    _, variables = tiny224
+    config = _model_config()
+    config.dtype = "bfloat16"
+    trunk = models.build_trunk(config)
+    x = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
+    low = trunk.apply(variables, x, train=False)["avgpool"]
+    high = models.build_trunk(_model_config()).apply(variables, x, train=False)["avgpool"]
+    assert low.dtype == jnp.bfloat16
+    rel = np.linalg.norm(np.float32(low) - high) / np.linalg.norm(high)
+    assert rel < 3e-2
+    fresh = trunk.init(jax.random.key(0), x, train=False)
+    assert {np.dtype(leaf.dtype) for leaf in jax.tree.leaves(fresh)} == {np.dtype("float32")}
+
+
+def test_layer_norms_follow_regularize_bn():
+    """VISSL's regularize_bn covers every norm layer: ViT's LayerNorms too."""
+    model = models.build_trunk(_model_config())
+    params = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    )["params"]
+    mask = transforms.weight_decay_mask(params, regularize_bn=False, regularize_bias=True)
+    assert mask["norm"] == {"scale": False, "bias": False}
+    assert mask["blocks_0"]["norm1"]["scale"] is False
+    assert mask["blocks_0"]["attn"]["qkv"] == {"kernel": True, "bias": True}
+    assert mask["pos_embed"] is True and mask["cls_token"] is True
+
+
+def test_bad_sizes_are_clear():
+    with pytest.raises(ValueError, match="model.image_size=100 must be a positive multiple"):
+        models.build_trunk(_model_config(image_size=100))
+    trunk = models.build_trunk(_model_config(patch=16, image_size=32))
+    with pytest.raises(ValueError, match="24x24 px is not a multiple of the patch size 16"):
+        trunk.init(jax.random.key(0), jnp.zeros((1, 24, 24, 3)), train=False)
+    with pytest.raises(ValueError, match="Unknown trunk 'vit_huge'.*vit_small"):
+        models.build_trunk(_model_config("vit_huge"))
+
+
+@pytest.fixture(scope="module")
+def imported_file(tmp_path_factory):
+    """A ViT-Tiny/8 for 32 px images, saved as DINO publishes its backbones (plain keys)."""
+    net = _timm_vit(image_size=32, patch=8, seed=1)
+    path = tmp_path_factory.mktemp("vit") / "dino_vit_tiny8.pth"
+    torch.save(net.state_dict(), path)
+    return str(path)
+
+
+def _vit_eval_config(module, shared_dirs, path):
+    config = module.get_config("test")
+    config.data.data_dir = shared_dirs[0]
+    config.data.image_size = 32
+    config.model.update(_model_config("vit_tiny", patch=8, image_size=32))
+    config.model.head_dims = (192, 64, 16)  # MoCo's head, randomly initialised
+    config.init.checkpoint = path
+    return config
+
+
+def test_knn_and_linear_eval_on_an_imported_vit(imported_file, tmp_path_factory, tmp_path):
+    shared_dirs = prepare_shared_dirs(tmp_path_factory)
+    config = _vit_eval_config(knn_config, shared_dirs, imported_file)
+    config.knn.layer = "concat_cls4"
+    summary = knn_engine.run(config, str(tmp_path / "knn"))
+    k = config.knn.ks[0]
+    assert 0.0 <= summary[f"k{k}"]["top1"] <= summary[f"k{k}"]["top5"] <= 100.0
+
+    config = _vit_eval_config(linear_eval_config, shared_dirs, imported_file)
+    config.linear.layers = ("concat_cls4", "avgpool")
+    config.linear.pool = ""
+    summary = linear_eval.run(config, str(tmp_path / "linear"))
+    with open(os.path.join(tmp_path / "linear", "results.json")) as f:
+        results = json.load(f)
+    assert set(results) == {"concat_cls4", "avgpool"}
+    # The frozen trunk is the file's, bit for bit, after the heads trained.
+    expected = weights.read_torch(imported_file, config)["params"]["trunk"]
+    trunk = jax.device_get(summary["trunk_variables"])["params"]["trunk"]
+    jax.tree.map(np.testing.assert_array_equal, trunk, expected)
+
+
+def test_drop_path_in_training_is_refused_until_wired():
+    from configs import mocov3
+    from jssl import methods
+
+    config = mocov3.get_config("")
+    config.model.drop_path_rate = 0.1
+    with pytest.raises(
+        ValueError, match=r"drop_path_rate=0.1: stochastic depth is wired into DINO.*'mocov3'"
+    ):
+        methods.check_config(config)
+
+
+def test_sincos_position_embeddings_are_moco_v3s():
+    """vits.py build_2d_sincos_position_embedding: zero for the class token; for the patch at
+    (row i, column j) sin/cos of i * omega_k, then of j * omega_k, omega_k = 10000**(-k/(D/4))."""
+    grid, dim = 3, 8
+    pos = np.asarray(vit.sincos_pos_embed(grid, dim))
+    assert pos.shape == (1, 1 + grid * grid, dim)
+    np.testing.assert_array_equal(pos[0, 0], 0.0)
+    omega = 1.0 / 10000.0 ** (np.arange(2) / 2)
+    for i, j in [(0, 1), (2, 1), (1, 2)]:
+        expected = np.concatenate(
+            [np.sin(i * omega), np.cos(i * omega), np.sin(j * omega), np.cos(j * omega)]
+        )
+        np.testing.assert_allclose(pos[0, 1 + i * grid + j], expected, rtol=1e-6, atol=1e-6)
+
+    from configs import mocov3
+    from jssl import methods
+
+    config = mocov3.get_config("")
+    assert config.model.pos_embed_init == "sincos"
+    method = methods.get(config, steps_per_epoch=10)
+    assert ("trunk/pos_embed", 2**31 - 1) in method.frozen_params
+    model = models.build_trunk(_model_config("vit_tiny", 16, 48))
+    fixed = model.clone(pos_embed_init="sincos").init(
+        jax.random.key(0), jnp.zeros((1, 48, 48, 3)), train=False
+    )
+    np.testing.assert_allclose(fixed["params"]["pos_embed"], vit.sincos_pos_embed(3, 192))
+
+
+@pytest.mark.parametrize(
+    "name", ["moco", "simclr", "swav", "byol", "barlow_twins", "vicreg", "supervised"]
+)
+def test_every_method_starts_on_a_vit_without_batch_norm(name):
+    """A ViT trunk under a BN-free head has no batch_stats at all; every method's state must
+    start from that (MoCo v2 on a ViT failed with KeyError 'batch_stats')."""
+    import importlib
+
+    from jssl import methods
+
+    config = importlib.import_module(f"configs.{name}").get_config("test")
+    m = config.model
+    m.trunk, m.vit_depth, m.patch_size = "vit_tiny", 1, 8
+    m.image_size = config.data.image_size
+    m.head_bn = m.head_last_bn = False
+    if m.head_dims:
+        m.head_dims = (192, *tuple(m.head_dims)[1:])
+    method = methods.get(config, steps_per_epoch=4)
+    size = config.data.image_size
+    fields = jax.eval_shape(
+        method.init, jax.random.key(0), jnp.zeros((1, size, size, 3), jnp.float32)
+    )
+    assert fields["params"]["trunk"]["cls_token"].shape == (1, 1, 192)
+    assert "trunk" not in fields.get("batch_stats", {})  # BYOL's predictor may keep its BN

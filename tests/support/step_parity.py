@@ -1,0 +1,113 @@
+"""Runs a few train steps of each named method on fixed global batches and saves loss, parameters
+and the method's state.
+
+Used by tests/test_parallel.py in subprocesses with different device and process counts
+(the device count is fixed by XLA_FLAGS before JAX starts, hence a separate process). One
+process runs every method asked for, so the suite pays JAX's start-up once per device count.
+
+  python tests/step_parity.py OUT.npz --methods moco,simclr [--process_id I --num_processes N
+      --port P]
+
+OUT.npz holds ``devices`` and, per method m, ``m:loss`` (one per step), ``m:params``,
+``m:ema`` (the momentum encoder / teacher, when the method has one) and ``m:state``
+(``method_state`` flattened: queues, centres), each parameter tree flattened into one vector.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+GLOBAL_BATCH = 16
+# Steps per method: SwAV's 4 cover its frozen prototypes (2 steps) and its queue (on from 3).
+# BYOL's, SimSiam's, DINO's and MoCo v3's 3 let the target, predictor and centre move twice.
+STEPS = {"swav": 4, "byol": 3, "simsiam": 3, "dino": 3, "mocov3": 3, "dino_vit": 2}
+
+
+def configure(method: str):
+    """The method's "test" preset, made a non-chaotic recipe for an invariance test."""
+    # dino_vit: DINO's "test_vit" preset, a 2-block ViT with the student's drop path 0.1.
+    module, preset = {"dino_vit": ("dino", "test_vit")}.get(method, (method, "test"))
+    config = importlib.import_module(f"configs.{module}").get_config(preset)
+    # No BN in the projector, T 0.1 and plain SGD (MoCo v2's own head, not the demo's BN
+    # projector): an output BN makes the trunk's gradient a sum of nearly cancelling
+    # per-example terms on these noise images, so float32 reduction order alone moves it by
+    # ~0.4% (measured), which would hide real sharding bugs.
+    config.model.head_bn = False
+    config.model.head_last_bn = False
+    if "temperature" in config.method:
+        config.method.temperature = 0.1
+    config.optim.name = "sgd"
+    config.optim.base_lr = 0.06
+    config.optim.warmup_epochs = 0
+    config.data.batch_size = GLOBAL_BATCH
+    if method == "moco":
+        config.method.queue_size = 32  # two batches: the second step sees enqueued keys
+    if method == "swav":
+        # Multi-crop (2x16 px + 4x8 px); prototypes frozen for 2 steps; the queue (two
+        # batches) full after step 2 and on from step 2 (epoch 0.5 of 4 steps).
+        config.method.queue_length = 32
+        config.method.queue_start_epoch = 0.5
+    return config
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--methods", default="moco", help="comma-separated method names")
+    p.add_argument("--process_id", type=int, default=0)
+    p.add_argument("--num_processes", type=int, default=1)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--sync_bn", type=int, default=1)
+    p.add_argument("--steps", type=int, default=0, help="0: each method's own (STEPS, else 2)")
+    args = p.parse_args()
+
+    from jssl import parallel
+
+    if args.num_processes > 1:
+        parallel.initialize(f"localhost:{args.port}", args.num_processes, args.process_id)
+    import jax
+    import numpy as np
+    from jax.flatten_util import ravel_pytree
+
+    from jssl import data, methods
+    from jssl.engines.train import init_state, make_optimizer
+    from jssl.training.step import make_train_step
+
+    mesh = parallel.make_mesh()
+    rows = slice(
+        jax.process_index() * GLOBAL_BATCH // jax.process_count(),
+        (jax.process_index() + 1) * GLOBAL_BATCH // jax.process_count(),
+    )
+    saved = {"devices": jax.device_count()}
+    for name in args.methods.split(","):
+        config = configure(name)
+        config.model.sync_bn = bool(args.sync_bn)
+        method = methods.get(config, steps_per_epoch=4)
+        tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
+        state = init_state(config, method, tx, mesh)
+        step = make_train_step(method, tx, schedule, mesh)
+        losses = []
+        for i in range(args.steps or STEPS.get(name, 2)):
+            full = data.synthetic_batch(config.data, GLOBAL_BATCH, seed=i)
+            # Every class, in a different order each step (for the supervised method).
+            full["label"] = (np.arange(GLOBAL_BATCH, dtype=np.int32) * (i + 1)) % 10
+            local = jax.tree.map(lambda x: x[rows], full)
+            state, metrics = step(state, parallel.host_batch_to_global(local, mesh))
+            losses.append(float(parallel.global_to_host(metrics)["loss"]))
+        host = parallel.global_to_host(
+            {"params": state.params, "ema": state.ema_params, "state": state.method_state}
+        )
+        saved[f"{name}:loss"] = np.array(losses)
+        for key in ("params", "ema", "state"):
+            if jax.tree.leaves(host[key]):
+                saved[f"{name}:{key}"] = ravel_pytree(host[key])[0]
+    if jax.process_index() == 0:
+        np.savez(args.out, **saved)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The same global batch gives the same loss and parameters on 1 device, 4 devices, and 2
+processes x 2 devices (gloo CPU collectives), with cross-replica batch norm."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "support", "step_parity.py")
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    env["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    )
+    return env
+
+
+def _run(out, devices, *extra):
+    subprocess.run(
+        [sys.executable, SCRIPT, str(out), *extra],
+        env=_env(devices),
+        check=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    return dict(np.load(out))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+# Methods whose one-step results must not depend on the device count; each names what a
+# sharding bug would break. One subprocess per device count runs them all. SimCLR's, Barlow
+# Twins' and VICReg's cross-device terms are compared at the loss level instead
+# (test_losses_parallel.py, test_barlow_twins.py, test_vicreg.py, with a control showing the
+# comparison can fail), and the step wiring they share (keys gathered over the global batch,
+# sync BN of two views) is covered here by mocov3 and byol; supervised adds only sync BN. (A
+# method that forgot to pass the mesh axis to its loss would no longer be caught here.)
+# Dropping those four from the step runs saves about 3.5 minutes of CPU per suite.
+PARITY = {
+    "moco": "the queue and the momentum encoder's EMA after every step",
+    "swav": "Sinkhorn sums over every device and each device's slice of the queue (on from "
+    "step 3 here), multi-crop 2x16 + 4x8 px, prototypes frozen for 2 steps",
+    "mocov3": "negatives from every device's keys (the keys gathered, the queries' gradients "
+    "local), synchronised BN of each view's batch in base and momentum encoders and the "
+    "predictor, and the momentum encoder's EMA",
+    "byol": "synchronised BN in trunk, projector and predictor, online and target, and the "
+    "target's EMA of parameters that must agree too",
+    "simsiam": "synchronised BN of each view's batch and the collapse monitor's statistics over "
+    "the global batch",
+    "dino": "the centre, a mean over the global batch, and the teacher's SyncBN statistics",
+    "dino_vit": "the student's drop-path masks, drawn per row of the global batch (each "
+    "device's own key gave other masks on 4 devices than on 1)",
+}
+
+
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory):
+    """Every PARITY method on 1 and on 4 devices, the two processes side by side (XLA compiles
+    on one core each, so together they take about the time of one)."""
+    outs = {n: tmp_path_factory.mktemp(f"devices{n}") / "r.npz" for n in (1, 4)}
+    procs = {
+        n: subprocess.Popen(
+            [sys.executable, SCRIPT, str(out), "--methods", ",".join(PARITY)],
+            env=_env(n),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for n, out in outs.items()
+    }
+    logs = {n: p.communicate(timeout=900)[0].decode() for n, p in procs.items()}
+    for n, p in procs.items():
+        assert p.returncode == 0, f"step_parity on {n} device(s) failed:\n{logs[n][-5000:]}"
+    return {n: dict(np.load(out)) for n, out in outs.items()}
+
+
+@pytest.fixture(scope="module")
+def one_device(parity_runs):
+    return parity_runs[1]
+
+
+@pytest.fixture(scope="module")
+def four_devices(parity_runs):
+    return parity_runs[4]
+
+
+def _relative_error(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+
+def _assert_same(a, b, method):
+    loss, params = f"{method}:loss", f"{method}:params"
+    # Step 1 sees identical parameters: only the reduction order differs.
+    np.testing.assert_allclose(a[loss][0], b[loss][0], rtol=1e-5, atol=1e-6)
+    # Later steps inherit the parameter differences described below (T=0.1 amplifies them).
+    np.testing.assert_allclose(a[loss][1:], b[loss][1:], rtol=5e-4)
+    # Parameters are compared as whole vectors: the order of float32 reductions differs
+    # between 1 and N devices, and batch norm over 4-example per-device slices of 16 px
+    # images amplifies it in a few gradients (seen: relative error 1.6e-4, the same for 4
+    # devices and for 2 processes x 2 devices). A wrong gather or mean gives errors ~1.
+    assert _relative_error(a[params], b[params]) < 5e-4
+    if f"{method}:ema" in a:
+        assert _relative_error(a[f"{method}:ema"], b[f"{method}:ema"]) < 5e-5
+    if f"{method}:state" in a:  # queues, centres
+        np.testing.assert_allclose(a[f"{method}:state"], b[f"{method}:state"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", list(PARITY))
+def test_four_devices_match_one(one_device, four_devices, method):
+    assert int(four_devices["devices"]) == 4 and int(one_device["devices"]) == 1
+    # The loss moves between steps, so the comparison covers the optimizer and the state.
+    assert not np.allclose(one_device[f"{method}:loss"][0], one_device[f"{method}:loss"][1])
+    _assert_same(one_device, four_devices, method)
+
+
+def test_two_processes_match_one(one_device, tmp_path):
+    port = _free_port()
+    out = tmp_path / "r.npz"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                SCRIPT,
+                str(out),
+                "--methods",
+                "moco",
+                "--process_id",
+                str(i),
+                "--num_processes",
+                "2",
+                "--port",
+                str(port),
+            ],
+            env=_env(2),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    two = dict(np.load(out))
+    assert int(two["devices"]) == 4
+    _assert_same(one_device, two, "moco")
+
+
+def test_per_device_bn_with_shuffle_runs_on_four_devices(tmp_path):
+    """sync_bn=False uses per-device statistics and MoCo's shuffle-BN across devices."""
+    result = _run(tmp_path / "r.npz", 4, "--sync_bn", "0", "--methods", "moco")
+    assert np.all(np.isfinite(result["moco:loss"]))
