@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
+from jssl.methods import Forward, Method, Objective, common
 from jssl.parallel import DATA_AXIS
 
 TERMS = ("invariance", "redundancy_reduction")
@@ -53,32 +53,34 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         variables = model.init(rng, images, train=False)
         return dict(params=variables["params"], batch_stats=variables.get("batch_stats", {}))
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         out, batch_stats = common.forward_crops(
             model, params, state.batch_stats, batch["crops"], train
         )
-        view1, view2 = common.split_crops(out["head"].astype(jnp.float32), 2)
-        n = view1.shape[0]
-        terms, metrics = losses.barlow_twins_terms(
-            view1, view2, normalize_jointly=mcfg.normalize_jointly, axis_name=DATA_AXIS
-        )
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats=batch_stats,
+        views = common.split_crops(out["head"].astype(jnp.float32), 2)  # (2, n, d)
+        n = views.shape[1]
+        return Forward(
+            embeddings=views,
             features=out["avgpool"][:n],
-            embeddings=out["head"][:n],
-            per_example_loss=per_example,
-            terms=terms,
+            batch_stats=batch_stats,
+            head=out["head"][:n],
         )
 
-    return Method(init=init, loss=loss, after_update=None, model=model)
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        terms, metrics = losses.barlow_twins_terms(
+            embeddings[0],
+            embeddings[1],
+            normalize_jointly=mcfg.normalize_jointly,
+            axis_name=DATA_AXIS,
+        )
+        return Objective(terms=terms, metrics=metrics)
+
+    return Method(init=init, forward=forward, objective=objective, model=model)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

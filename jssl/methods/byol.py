@@ -36,81 +36,21 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
+from jssl.methods import Forward, Method, Objective, common
+from jssl.methods.predictor import (
+    PREDICTOR,
+    apply_predictor,
+    build_predictor,
+    check_predictor,
+    init_online_and_target,
+    without_predictor,
+)
 from jssl.parallel import DATA_AXIS
 
 TERMS = ("regression",)
-PREDICTOR = "predictor"
-
-
-def build_predictor(config: ml_collections.ConfigDict, model: Any) -> models.MLPHead:
-    """The predictor MLP of ``method.predictor_dims``, BN after its hidden layer(s) when
-    ``method.predictor_bn``, in the projector's dtype and batch-norm axis."""
-    return models.MLPHead(
-        dims=tuple(int(d) for d in config.method.predictor_dims),
-        use_bn=config.method.predictor_bn,
-        dtype=model.head.dtype,
-        bn_axis_name=model.head.bn_axis_name,
-    )
-
-
-def init_with_predictor(
-    model: Any, predictor: Any, rng: jax.Array, images: jax.Array
-) -> tuple[dict, dict, dict]:
-    """``(params, batch_stats, online model variables)``: the model's variables with the
-    predictor's under ``"predictor"`` in both collections."""
-    model_rng, predictor_rng = jax.random.split(rng)
-    variables = model.init(model_rng, images, train=False)
-    dim = predictor.dims[0]
-    pred = predictor.init(predictor_rng, jnp.zeros((2, dim), jnp.float32), train=False)
-    model_stats = variables.get("batch_stats", {})
-    params = {**variables["params"], PREDICTOR: pred["params"]}
-    batch_stats = {**model_stats, PREDICTOR: pred.get("batch_stats", {})}
-    return params, batch_stats, {"params": variables["params"], "batch_stats": model_stats}
-
-
-def init_online_and_target(model: Any, predictor: Any, rng: jax.Array, images: jax.Array):
-    """A predictor method's initial state: the online network with its predictor, and a
-    target / momentum encoder that starts as a copy of the online trunk and projector (VISSL
-    ``_build_byol_target_network``; MoCo v3 builder.py ``param_m.data.copy_(param_b.data)``);
-    the predictor has no counterpart there."""
-    params, batch_stats, variables = init_with_predictor(model, predictor, rng, images)
-    return dict(
-        params=params,
-        batch_stats=batch_stats,
-        ema_params=jax.tree.map(jnp.copy, variables["params"]),
-        ema_batch_stats=jax.tree.map(jnp.copy, variables.get("batch_stats", {})),
-    )
-
-
-def target_momentum(config: ml_collections.ConfigDict, steps_per_epoch: int | None):
-    """``momentum_at(steps_done)``: cosine from ``method.base_momentum`` to
-    ``method.final_momentum`` over the run (BYOL Sec. 3.2; MoCo v3 ``adjust_moco_momentum``).
-    Evaluation engines pass no epoch length; the momentum is then never used."""
-    mcfg = config.method
-    total_steps = int(config.num_epochs * steps_per_epoch) if steps_per_epoch else 1
-
-    def momentum_at(steps_done: jax.Array) -> jax.Array:
-        return common.cosine_momentum(
-            steps_done, total_steps, mcfg.base_momentum, mcfg.final_momentum
-        )
-
-    return momentum_at
-
-
-def without_predictor(tree: dict) -> dict:
-    return {k: v for k, v in tree.items() if k != PREDICTOR}
-
-
-def apply_predictor(predictor, params, batch_stats, z: jax.Array, train: bool):
-    """``(predictions, new predictor batch_stats)``, as ``common.apply_model`` for the model."""
-    if not batch_stats[PREDICTOR]:  # no BN in the predictor (method.predictor_bn False)
-        return predictor.apply({"params": params[PREDICTOR]}, z, train=train), {}
-    return common.apply_model(predictor, params[PREDICTOR], batch_stats[PREDICTOR], z, train)
 
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
@@ -118,13 +58,12 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
     predictor = build_predictor(config, model)
-    momentum_at = target_momentum(config, steps_per_epoch)
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+    momentum_at = common.target_momentum(config, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         return init_online_and_target(model, predictor, rng, images)
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         out, online_stats = common.forward_crops(
             model,
             without_predictor(params),
@@ -139,24 +78,24 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             model, state.ema_params, state.ema_batch_stats, batch["crops"], train
         )
         n = out["head"].shape[0] // 2
-        _, metrics, regression = losses.byol_loss(
-            common.split_crops(predictions, 2),
-            common.split_crops(target["head"], 2),
-            DATA_AXIS,
+        return Forward(
+            embeddings={
+                "predictions": common.split_crops(predictions, 2),
+                "targets": jax.lax.stop_gradient(common.split_crops(target["head"], 2)),
+            },
+            features=out["avgpool"][:n],
+            batch_stats={**online_stats, PREDICTOR: predictor_stats},
+            head=out["head"][:n],
+            carry={"ema_batch_stats": ema_batch_stats},
         )
-        terms = {"regression": regression}
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        _, metrics, regression = losses.byol_loss(
+            embeddings["predictions"], embeddings["targets"], DATA_AXIS
+        )
         # The momentum the target update after this step uses.
         metrics["target_momentum"] = momentum_at(state.step + 1)
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats={**online_stats, PREDICTOR: predictor_stats},
-            carry={"ema_batch_stats": ema_batch_stats},
-            features=out["avgpool"][:n],
-            embeddings=out["head"][:n],
-            per_example_loss=per_example,
-            terms=terms,
-        )
+        return Objective(terms={"regression": regression}, metrics=metrics)
 
     def after_update(state, carry):
         # state.step counts the optimizer steps done, this one included.
@@ -168,7 +107,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             ema_batch_stats=common.mean_over_devices(carry["ema_batch_stats"]),
         )
 
-    return Method(init=init, loss=loss, after_update=after_update, model=model)
+    return Method(
+        init=init, forward=forward, objective=objective, after_update=after_update, model=model
+    )
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
@@ -190,21 +131,3 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"{mcfg.final_momentum} must satisfy 0 <= base <= final <= 1 (BYOL: 0.996 -> 1)."
         )
     check_predictor(config, "BYOL: (256, 4096, 256)")
-
-
-def check_predictor(config: ml_collections.ConfigDict, example: str) -> None:
-    """The predictor maps the projector's output to a vector of the same size."""
-    head = tuple(config.model.head_dims)
-    if len(head) < 2:
-        raise ValueError(
-            f"model.head_dims={head}: {config.method.name} needs a projector head, "
-            "(trunk features, hidden..., embedding)."
-        )
-    dims = tuple(config.method.predictor_dims)
-    if len(dims) < 2 or dims[0] != head[-1] or dims[-1] != head[-1]:
-        raise ValueError(
-            f"method.predictor_dims={dims} must start and end with the projector's output "
-            f"dim, model.head_dims[-1]={head[-1]} (the prediction regresses onto a projection), "
-            f"e.g. --config.method.predictor_dims='({head[-1]}, {4 * head[-1]}, {head[-1]})'; "
-            f"{example}."
-        )

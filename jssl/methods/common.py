@@ -1,7 +1,7 @@
 """Pieces every method would otherwise write again: the model applied in train or eval mode
 (to one batch or to every crop group), batch-norm statistics averaged over devices,
 momentum (EMA) teachers with a schedule, and named loss terms with weights that may follow a
-ramp over training (``config.loss``).
+ramp over training (``config.loss``), which ``jssl.methods.loss`` applies for every method.
 
 Crops: ``batch["crops"]`` holds one array per crop group (jssl.data.crops), of shape
 (n, num_crops, S, S, 3). ``views(batch)`` lists every crop as its own (n, S, S, 3) batch, in
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jssl import schedules as schedules_lib
+from jssl.optim import schedules as schedules_lib
 from jssl.parallel import DATA_AXIS
 
 
@@ -57,6 +57,19 @@ def cosine_momentum(step: jax.Array, total_steps: int, base: float, final: float
     (cos(pi * step / total) + 1) / 2``, from ``base`` at step 0 to ``final`` at the end."""
     progress = jnp.clip(step / max(total_steps, 1), 0.0, 1.0)
     return final - (final - base) * (jnp.cos(jnp.pi * progress) + 1.0) / 2.0
+
+
+def target_momentum(config: Any, steps_per_epoch: int | None):
+    """``momentum_at(steps_done)``: cosine from ``method.base_momentum`` to
+    ``method.final_momentum`` over the run (BYOL Sec. 3.2; MoCo v3 ``adjust_moco_momentum``).
+    Evaluation engines pass no epoch length; the momentum is then never used."""
+    mcfg = config.method
+    total_steps = int(config.num_epochs * steps_per_epoch) if steps_per_epoch else 1
+
+    def momentum_at(steps_done: jax.Array) -> jax.Array:
+        return cosine_momentum(steps_done, total_steps, mcfg.base_momentum, mcfg.final_momentum)
+
+    return momentum_at
 
 
 def ema(online: Any, teacher: Any, momentum: jax.Array | float) -> Any:
@@ -272,7 +285,7 @@ def family_term(terms: dict[str, jax.Array], parts: Sequence[LossTerm]) -> jax.A
 def reported_terms(
     terms: dict[str, jax.Array], specs: Sequence[str | LossTerm]
 ) -> dict[str, jax.Array]:
-    """``terms`` plus each family's :func:`family_term` under the family's name: what a method
+    """``terms`` plus each family's :func:`family_term` under the family's name: what the step
     hands the test phase as ``LossOutput.terms`` (written as ``term_<name>.npy``), so the
     per-example outputs keep the single term next to its parts. Reported, never weighted."""
     return {**terms, **{f: family_term(terms, p) for f, p in _families(specs).items()}}

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
+from jssl.methods import Forward, Method, Objective, common
 from jssl.models.heads import DINOHead
 from jssl.parallel import DATA_AXIS
 
@@ -127,7 +127,6 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     warmup_steps = int(round(mcfg.warmup_teacher_temp_epochs * spe))
     freeze_steps = int(round(mcfg.freeze_last_layer_epochs * spe))
     term_specs = terms(config)
-    weights_at = common.loss_weights(config, term_specs, steps_per_epoch)
 
     def teacher_temp_at(step):
         return teacher_temperature(step, mcfg.warmup_teacher_temp, mcfg.teacher_temp, warmup_steps)
@@ -157,7 +156,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             count += group.shape[1]
         return tuple(groups)
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         count = common.num_crops(batch)
         # The student's drop path: one key for every replica (forward_crops lays the rows out
         # so that each replica draws its own slice of the global batch's masks).
@@ -166,7 +165,6 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             model, params, state.batch_stats, batch["crops"], train, drop_rng
         )
         student = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, K)
-        n = student.shape[1]
         teacher_out, ema_batch_stats = common.forward_crops(
             teacher_model,
             state.ema_params,
@@ -177,18 +175,24 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         teacher = jax.lax.stop_gradient(
             common.split_crops(teacher_out["head"].astype(jnp.float32), teacher_crops)
         )
+        return Forward(
+            embeddings={"student": student, "teacher": teacher},
+            features=out["avgpool"][: student.shape[1]],
+            batch_stats=batch_stats,
+            # No per-example head output: it is out_dim (65536) wide.
+            carry={"ema_batch_stats": ema_batch_stats},
+        )
+
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        teacher = embeddings["teacher"]
         temperature = teacher_temp_at(state.step)
         per_teacher, metrics = losses.dino_teacher_crop_losses(
-            student,
+            embeddings["student"],
             teacher,
             state.method_state["center"],
             mcfg.student_temp,
             temperature,
             axis_name=DATA_AXIS,
-        )
-        crop_terms = {term.name: per_teacher[t] for t, term in enumerate(term_specs)}
-        value, per_example, term_metrics = common.weighted_loss(
-            crop_terms, weights_at(state.step), term_specs
         )
         metrics = dict(
             metrics,
@@ -196,18 +200,10 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             teacher_momentum=momentum_at(state.step),
             center_norm=jnp.linalg.norm(state.method_state["center"]),
         )
-        carry = {
-            "ema_batch_stats": ema_batch_stats,
-            "batch_center": losses.dino_batch_center(teacher, DATA_AXIS),
-        }
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats=batch_stats,
-            carry=carry,
-            features=out["avgpool"][:n],
-            # No per-example embeddings: the head's output is out_dim (65536) wide.
-            per_example_loss=per_example,
-            terms=common.reported_terms(crop_terms, term_specs),
+        return Objective(
+            terms={term.name: per_teacher[t] for t, term in enumerate(term_specs)},
+            metrics=metrics,
+            carry={"batch_center": losses.dino_batch_center(teacher, DATA_AXIS)},
         )
 
     def after_update(state, carry):
@@ -224,7 +220,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     return Method(
         init=init,
-        loss=loss,
+        forward=forward,
+        objective=objective,
         after_update=after_update,
         model=model,
         frozen_params=((LAST_LAYER, freeze_steps),) if freeze_steps > 0 else (),

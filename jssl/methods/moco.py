@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
+from jssl.methods import Forward, Method, Objective, common
 from jssl.parallel import DATA_AXIS
 
 TERMS = ("info_nce",)
@@ -36,7 +36,6 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     model = models.build_model(config.model, bn_axis_name=DATA_AXIS if sync_bn else None)
     embedding_dim = config.model.head_dims[-1]
     shuffle_bn = mcfg.shuffle_bn and not sync_bn
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         params_rng, queue_rng = jax.random.split(rng)
@@ -64,29 +63,29 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             keys = unshuffle(keys)
         return keys, ema_batch_stats
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         view_q, view_k = common.views(batch)
         out, batch_stats = common.apply_model(model, params, state.batch_stats, view_q, train)
         keys, ema_batch_stats = key_embeddings(state, view_k, rng, train)
         keys = jax.lax.stop_gradient(losses.l2_normalize(keys.astype(jnp.float32)))
-        _, metrics, info_nce = losses.info_nce_with_queue(
-            out["head"], keys, state.method_state["queue"], mcfg.temperature
-        )
-        terms = {"info_nce": info_nce}
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
-        carry = {
-            "ema_batch_stats": ema_batch_stats,
-            # The queue is shared, so every replica enqueues the keys of the global batch.
-            "keys": jax.lax.all_gather(keys, DATA_AXIS, tiled=True),
-        }
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats=batch_stats,
-            carry=carry,
+        return Forward(
+            embeddings={"query": out["head"][None], "key": keys[None]},
             features=out["avgpool"],
-            embeddings=out["head"],
-            per_example_loss=per_example,
-            terms=terms,
+            batch_stats=batch_stats,
+            head=out["head"],
+            carry={"ema_batch_stats": ema_batch_stats},
+        )
+
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        keys = embeddings["key"][0]
+        _, metrics, info_nce = losses.info_nce_with_queue(
+            embeddings["query"][0], keys, state.method_state["queue"], mcfg.temperature
+        )
+        return Objective(
+            terms={"info_nce": info_nce},
+            metrics=metrics,
+            # The queue is shared, so every replica enqueues the keys of the global batch.
+            carry={"keys": jax.lax.all_gather(keys, DATA_AXIS, tiled=True)},
         )
 
     def after_update(state, carry):
@@ -101,7 +100,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             method_state={"queue": queue, "queue_ptr": ptr},
         )
 
-    return Method(init=init, loss=loss, after_update=after_update, model=model)
+    return Method(
+        init=init, forward=forward, objective=objective, after_update=after_update, model=model
+    )
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

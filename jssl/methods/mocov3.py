@@ -49,13 +49,13 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
-from jssl.methods.byol import (
+from jssl.methods import Forward, Method, Objective, common
+from jssl.methods.predictor import (
     PREDICTOR,
     apply_predictor,
+    build_predictor,
     check_predictor,
     init_online_and_target,
-    target_momentum,
     without_predictor,
 )
 from jssl.parallel import DATA_AXIS
@@ -68,41 +68,27 @@ POS_EMBED = "trunk/pos_embed"
 WHOLE_RUN = 2**31 - 1
 
 
-def build_predictor(config: ml_collections.ConfigDict, model: Any) -> models.MLPHead:
-    """The reference's predictor, ``_build_mlp(2, dim, mlp_dim, dim, last_bn)``: bias-free
-    Dense layers of ``method.predictor_dims``, BN after the hidden one (``predictor_bn``), an
-    affine-free BN on the output when ``method.predictor_last_bn`` (ViT: yes, ResNet: no)."""
-    mcfg = config.method
-    return models.MLPHead(
-        dims=tuple(int(d) for d in mcfg.predictor_dims),
-        use_bn=mcfg.predictor_bn,
-        last_bn=mcfg.predictor_last_bn,
-        use_bias=False,
-        dtype=model.head.dtype,
-        bn_axis_name=model.head.bn_axis_name,
-    )
-
-
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
-    predictor = build_predictor(config, model)
-    momentum_at = target_momentum(config, steps_per_epoch)  # 0.99 -> 1, main_moco.py
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
+    # The reference's predictor, ``_build_mlp(2, dim, mlp_dim, dim, last_bn)``: bias-free
+    # Dense layers, BN after the hidden one (``predictor_bn``), an affine-free BN on the
+    # output when ``method.predictor_last_bn`` (ViT: yes, ResNet: no).
+    predictor = build_predictor(config, model, last_bn=mcfg.predictor_last_bn, use_bias=False)
+    momentum_at = common.target_momentum(config, steps_per_epoch)  # 0.99 -> 1, main_moco.py
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         return init_online_and_target(model, predictor, rng, images)
 
-    def loss(params, state, batch, rng, train: bool = True):
-        views = common.views(batch)
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         online_params = without_predictor(params)
         online_stats = without_predictor(state.batch_stats)
         predictor_stats = {PREDICTOR: state.batch_stats[PREDICTOR]}
         ema_stats = state.ema_batch_stats
         queries, keys, first = [], [], None
-        for view in views:  # one view at a time, as the reference's forward
+        for view in common.views(batch):  # one view at a time, as the reference's forward
             out, online_stats = common.apply_model(model, online_params, online_stats, view, train)
             q, new_predictor_stats = apply_predictor(
                 predictor, params, predictor_stats, out["head"], train
@@ -112,22 +98,24 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             queries.append(q)
             keys.append(target["head"])
             first = out if first is None else first
-        _, metrics, info_nce = losses.mocov3_info_nce(
-            jnp.stack(queries), jnp.stack(keys), mcfg.temperature, DATA_AXIS
+        return Forward(
+            embeddings={
+                "queries": jnp.stack(queries),
+                "keys": jax.lax.stop_gradient(jnp.stack(keys)),
+            },
+            features=first["avgpool"],
+            batch_stats={**online_stats, **predictor_stats},
+            head=first["head"],
+            carry={"ema_batch_stats": ema_stats},
         )
-        terms = {"info_nce": info_nce}
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
+
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        _, metrics, info_nce = losses.mocov3_info_nce(
+            embeddings["queries"], embeddings["keys"], mcfg.temperature, DATA_AXIS
+        )
         # The momentum the encoder update after this step uses.
         metrics["encoder_momentum"] = momentum_at(state.step + 1)
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats={**online_stats, **predictor_stats},
-            carry={"ema_batch_stats": ema_stats},
-            features=first["avgpool"],
-            embeddings=first["head"],
-            per_example_loss=per_example,
-            terms=terms,
-        )
+        return Objective(terms={"info_nce": info_nce}, metrics=metrics)
 
     def after_update(state, carry):
         # state.step counts the optimizer steps done, this one included.
@@ -144,7 +132,12 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         # The reference's fixed sin-cos position embeddings (vits.py requires_grad=False).
         frozen += ((POS_EMBED, WHOLE_RUN),)
     return Method(
-        init=init, loss=loss, after_update=after_update, model=model, frozen_params=frozen
+        init=init,
+        forward=forward,
+        objective=objective,
+        after_update=after_update,
+        model=model,
+        frozen_params=frozen,
     )
 
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
+from jssl.methods import Forward, Method, Objective, common
 from jssl.parallel import DATA_AXIS
 
 TERMS = ("info_nce",)
@@ -45,34 +45,32 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         variables = model.init(rng, images, train=False)
         return dict(params=variables["params"], batch_stats=variables.get("batch_stats", {}))
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         count = common.num_crops(batch)
         out, batch_stats = common.forward_crops(
             model, params, state.batch_stats, batch["crops"], train
         )
         embeddings = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, d)
         n = embeddings.shape[1]
+        return Forward(
+            embeddings=embeddings,
+            features=out["avgpool"][:n],
+            batch_stats=batch_stats,
+            head=out["head"][:n],
+        )
+
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
         _, metrics, info_nce = losses.multicrop_simclr_info_nce(
             embeddings, mcfg.temperature, DATA_AXIS
         )
-        terms = {"info_nce": info_nce}
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats=batch_stats,
-            features=out["avgpool"][:n],
-            embeddings=out["head"][:n],
-            per_example_loss=per_example,
-            terms=terms,
-        )
+        return Objective(terms={"info_nce": info_nce}, metrics=metrics)
 
-    return Method(init=init, loss=loss, after_update=None, model=model)
+    return Method(init=init, forward=forward, objective=objective, model=model)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

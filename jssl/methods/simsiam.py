@@ -31,11 +31,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
-from jssl.methods.byol import (
+from jssl.methods import Forward, Method, Objective, common
+from jssl.methods.predictor import (
     PREDICTOR,
     apply_predictor,
     build_predictor,
@@ -53,13 +54,12 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
     predictor = build_predictor(config, model)
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         params, batch_stats, _ = init_with_predictor(model, predictor, rng, images)
         return dict(params=params, batch_stats=batch_stats)
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         model_params = without_predictor(params)
         model_stats = without_predictor(state.batch_stats)
         stats = {PREDICTOR: state.batch_stats[PREDICTOR]}
@@ -69,21 +69,24 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             p, stats[PREDICTOR] = apply_predictor(predictor, params, stats, out["head"], train)
             outs.append(out)
             predictions.append(p)
-        _, metrics, negative_cosine = losses.simsiam_loss(
-            predictions, [o["head"] for o in outs], DATA_AXIS
-        )
-        terms = {"negative_cosine": negative_cosine}
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats={**model_stats, **stats},
+        return Forward(
+            # The projections keep their gradient here: the loss stops it (its target branch).
+            embeddings={
+                "predictions": jnp.stack(predictions),
+                "projections": jnp.stack([o["head"] for o in outs]),
+            },
             features=outs[0]["avgpool"],
-            embeddings=outs[0]["head"],
-            per_example_loss=per_example,
-            terms=terms,
+            batch_stats={**model_stats, **stats},
+            head=outs[0]["head"],
         )
 
-    return Method(init=init, loss=loss, after_update=None, model=model)
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        _, metrics, negative_cosine = losses.simsiam_loss(
+            embeddings["predictions"], embeddings["projections"], DATA_AXIS
+        )
+        return Objective(terms={"negative_cosine": negative_cosine}, metrics=metrics)
+
+    return Method(init=init, forward=forward, objective=objective, model=model)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

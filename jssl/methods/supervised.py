@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
+from jssl.methods import Forward, Method, Objective, common
 from jssl.models.resnet import torch_linear_bias_init, torch_linear_kernel_init
 from jssl.parallel import DATA_AXIS
 
@@ -104,8 +104,6 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
     classifiers = TapClassifiers(taps, int(config.model.head_dims[-1]))
-    term_specs = terms(config)
-    weights_at = common.loss_weights(config, term_specs, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         model_rng, classifier_rng = jax.random.split(rng)
@@ -122,35 +120,38 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             params = {**params, CLASSIFIERS: classifiers.init(classifier_rng, tapped)["params"]}
         return dict(params=params, batch_stats=variables.get("batch_stats", {}))
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         (images,) = common.views(batch)
         model_params = {k: v for k, v in params.items() if k != CLASSIFIERS}
         out, batch_stats = common.apply_model(model, model_params, state.batch_stats, images, train)
         outputs = {"head": out["head"].astype(jnp.float32)}
         if taps:
             outputs.update(classifiers.apply({"params": params[CLASSIFIERS]}, out))
+        return Forward(
+            embeddings={name: logits[None] for name, logits in outputs.items()},  # (1, n, K)
+            features=out["avgpool"],
+            batch_stats=batch_stats,
+            head=outputs["head"],
+        )
+
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        outputs = {name: embeddings[name][0] for name in ("head", *taps)}
         labels = batch["label"]
         _, per_output = losses.multi_output_cross_entropy(
             outputs, labels, smoothing, temperature, normalize_output
         )
-        terms_ = {term_name(o): ce for o, ce in per_output.items()}
-        value, per_example, term_metrics = common.weighted_loss(terms_, weights_at(state.step))
         hits = {}
         for output, logits in outputs.items():
             suffix = "" if output == "head" else f"_{output}"
             for k, hit in losses.top_k_hits(logits, labels, TOP_K).items():
                 hits[f"top{k}{suffix}"] = 100.0 * hit
-        return value, LossOutput(
-            metrics={**term_metrics, **{name: jnp.mean(h) for name, h in hits.items()}},
-            batch_stats=batch_stats,
-            features=out["avgpool"],
-            embeddings=outputs["head"],
-            per_example_loss=per_example,
-            terms=terms_,
+        return Objective(
+            terms={term_name(o): ce for o, ce in per_output.items()},
+            metrics={name: jnp.mean(h) for name, h in hits.items()},
             per_example_metrics=hits,
         )
 
-    return Method(init=init, loss=loss, after_update=None, model=model)
+    return Method(init=init, forward=forward, objective=objective, model=model)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
@@ -203,17 +204,13 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 def _num_classes(data_config: ml_collections.ConfigDict) -> int | None:
-    """Classes of the train and test splits' labels (TFDS metadata, or an image folder's
-    class folders); None when the data does not say."""
+    """Classes of the train and test splits' labels (TFDS metadata, an image folder's class
+    folders, the demo set's); None when the data does not say."""
     from jssl.data import sources
 
-    found = []
-    for split in (data_config.train_split, data_config.test_split):
-        source = sources.resolve_split(data_config, split)
-        if source.kind == "folder":
-            found.append(int(source.labels.max()) + 1)
-        elif source.builder is not None:
-            label = source.builder.info.features["label"]
-            found.append(getattr(label, "num_classes", None))
+    found = [
+        sources.resolve_split(data_config, split).num_classes
+        for split in (data_config.train_split, data_config.test_split)
+    ]
     found = [n for n in found if n is not None]
     return max(found) if found else None

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
+from jssl.methods import Forward, Method, Objective, common
 from jssl.models.resnet import torch_linear_kernel_init
 from jssl.parallel import DATA_AXIS
 
@@ -107,7 +107,6 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     queue_start = int(round(mcfg.queue_start_epoch * steps_per_epoch)) if steps_per_epoch else 0
     normalize = mcfg.normalize_prototypes
     term_specs = terms(config)
-    weights_at = common.loss_weights(config, term_specs, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         model_rng, proto_rng = jax.random.split(rng)
@@ -135,7 +134,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         start = jax.lax.axis_index(DATA_AXIS) * size
         return jax.lax.dynamic_slice_in_dim(queue, start, size, axis=1)
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         count = common.num_crops(batch)
         model_params = {k: v for k, v in params.items() if k != "prototypes"}
         out, batch_stats = common.forward_crops(
@@ -144,19 +143,35 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         z = losses.l2_normalize(out["head"].astype(jnp.float32))  # (C * n, d), crop-major
         scores = prototypes.apply({"params": params["prototypes"]}, z)
         n = z.shape[0] // count
+        return Forward(
+            embeddings={
+                "scores": tuple(common.split_crops(s, count) for s in scores),  # (C, n, K)
+                # What the queue receives: the assignment crops' embeddings, no gradient.
+                "assigned": jax.lax.stop_gradient(
+                    jnp.stack([z[c * n : (c + 1) * n] for c in assign])
+                ),
+            },
+            features=out["avgpool"][:n],
+            batch_stats=batch_stats,
+            head=z[:n],
+        )
 
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        scores = embeddings["scores"]
         use_queue = train and queue_length > 0
         if use_queue:
             queued = jax.lax.stop_gradient(local_queue(state))
             on = (state.step >= queue_start) & (state.method_state["queue_filled"] >= queue_length)
+            # The state's prototypes are the parameters' values; the queue's scores take no
+            # gradient either way.
             queue_scores = prototypes.apply(
-                {"params": jax.lax.stop_gradient(params["prototypes"])}, queued
+                {"params": jax.lax.stop_gradient(state.params["prototypes"])}, queued
             )
         hard = (state.step < mcfg.hard_assignment_iters) if train else False
         per_crop, metrics = 0.0, {}
         for i, set_scores in enumerate(scores):
             set_per_crop, set_metrics = losses.swav_crop_losses(
-                common.split_crops(set_scores, count),
+                set_scores,
                 crops_for_assign=assign,
                 temperature=mcfg.temperature,
                 epsilon=mcfg.epsilon,
@@ -170,28 +185,16 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             per_crop = per_crop + set_per_crop.astype(jnp.float32)  # (A, n)
             suffix = "" if len(scores) == 1 else str(i)
             metrics.update({f"{k}{suffix}": v for k, v in set_metrics.items()})
-        if use_queue:
-            metrics["queue_on"] = on.astype(jnp.float32)
         carry = None
         if use_queue:
-            # Every replica enqueues the assignment crops of the global batch.
-            new = jax.lax.stop_gradient(jnp.stack([z[c * n : (c + 1) * n] for c in assign]))
-            carry = {"queue": jax.lax.all_gather(new, DATA_AXIS, axis=1, tiled=True)}  # (A, N, d)
+            metrics["queue_on"] = on.astype(jnp.float32)
+            # Every replica enqueues the assignment crops of the global batch: (A, N, d).
+            new = embeddings["assigned"]
+            carry = {"queue": jax.lax.all_gather(new, DATA_AXIS, axis=1, tiled=True)}
         # Each assignment crop's loss, averaged over the prototype sets (VISSL SwAVLoss.forward).
         per_crop = per_crop / len(scores)
         crop_terms = {term.name: per_crop[a] for a, term in enumerate(term_specs)}
-        value, per_example, term_metrics = common.weighted_loss(
-            crop_terms, weights_at(state.step), term_specs
-        )
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats=batch_stats,
-            carry=carry,
-            features=out["avgpool"][:n],
-            embeddings=z[:n],
-            per_example_loss=per_example,
-            terms=common.reported_terms(crop_terms, term_specs),
-        )
+        return Objective(terms=crop_terms, metrics=metrics, carry=carry)
 
     def after_update(state, carry):
         params = state.params
@@ -215,7 +218,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     frozen = (("prototypes", int(mcfg.freeze_prototypes_iters)),)
     return Method(
         init=init,
-        loss=loss,
+        forward=forward,
+        objective=objective,
         after_update=after_update,
         model=model,
         frozen_params=frozen if mcfg.freeze_prototypes_iters > 0 else (),

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import LossOutput, Method, common
+from jssl.methods import Forward, Method, Objective, common
 from jssl.methods.barlow_twins import check_two_views_and_weights
 from jssl.parallel import DATA_AXIS
 
@@ -43,34 +43,33 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
-    weights_at = common.loss_weights(config, TERMS, steps_per_epoch)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         variables = model.init(rng, images, train=False)
         return dict(params=variables["params"], batch_stats=variables.get("batch_stats", {}))
 
-    def loss(params, state, batch, rng, train: bool = True):
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
         first, second = common.views(batch)
         out, batch_stats = common.apply_model(model, params, state.batch_stats, first, train)
         out2, batch_stats = common.apply_model(model, params, batch_stats, second, train)
+        return Forward(
+            embeddings=jnp.stack([out["head"], out2["head"]]).astype(jnp.float32),  # (2, n, d)
+            features=out["avgpool"],
+            batch_stats=batch_stats,
+            head=out["head"],
+        )
+
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
         terms, metrics = losses.vicreg_terms(
-            out["head"].astype(jnp.float32),
-            out2["head"].astype(jnp.float32),
+            embeddings[0],
+            embeddings[1],
             std_target=mcfg.std_target,
             std_eps=mcfg.std_eps,
             axis_name=DATA_AXIS,
         )
-        value, per_example, term_metrics = common.weighted_loss(terms, weights_at(state.step))
-        return value, LossOutput(
-            metrics={**metrics, **term_metrics},
-            batch_stats=batch_stats,
-            features=out["avgpool"],
-            embeddings=out["head"],
-            per_example_loss=per_example,
-            terms=terms,
-        )
+        return Objective(terms=terms, metrics=metrics)
 
-    return Method(init=init, loss=loss, after_update=None, model=model)
+    return Method(init=init, forward=forward, objective=objective, model=model)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

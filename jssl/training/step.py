@@ -1,0 +1,276 @@
+"""The one compiled train step (and its evaluation twin), generic over methods.
+
+``(state, batch) -> (state, metrics)``: the method's forward and objective composed and its
+loss terms weighed (``jssl.methods.loss``, the same for every method), gradients averaged
+over the ``data`` axis, the optax update, then the method's ``after_update`` (EMA teacher,
+queue, batch-norm statistics). The per-replica body runs under ``jax.shard_map`` so that
+methods use named collectives; the whole thing is one ``jax.jit`` with the state donated.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jssl import methods
+from jssl.methods import Method
+from jssl.methods.common import mean_over_devices
+from jssl.parallel import DATA_AXIS
+from jssl.training import probe as online_probe
+from jssl.training.state import TrainState
+
+# Leaves of at least this many elements are checked where they lie instead of being
+# concatenated (a copy): Barlow Twins' and VICReg's 8192x8192 projector layers.
+_CHECK_IN_PLACE = 1 << 22
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every floating-point leaf is finite, as one scalar.
+
+    One check over the concatenation of the leaves, not one per leaf: XLA's CPU backend
+    compiles each per-leaf reduction as its own kernel (ResNet-18's MoCo step: 62 is-finite
+    reductions and the ``or`` tree combining them, 1.1k HLO instructions and 0.6-0.8 s of
+    its 2-core compile time; a count of the flags, rather than ``jnp.all`` of them, had
+    already removed 4 s of duplicated fusions). The concatenation is a copy of the
+    gradients (50 MB at ResNet-18, 100 MB at ResNet-50), made after the backward pass has
+    freed its activations: peak memory did not grow, and the step time moved less than its
+    noise (ResNet-50 96 px, 1.65 s per step on 2 cores). Leaves of ``_CHECK_IN_PLACE``
+    elements or more get their own check: copying Barlow Twins' two 8192x8192 projector
+    gradients as well took its step's temporary memory (ResNet-18, 32 px, batch 64, XLA's
+    ``memory_analysis``) from 1,724 to 1,983 MiB, against 1,493 for the same step without
+    jssl's machinery (benchmarks/bare_step.py).
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    flags = [jnp.all(jnp.isfinite(x)) for x in leaves if x.size >= _CHECK_IN_PLACE]
+    small = [jnp.ravel(x) for x in leaves if x.size < _CHECK_IN_PLACE]
+    if small:
+        flags.append(jnp.all(jnp.isfinite(jnp.concatenate(small))))
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+
+
+def make_train_step(
+    method: Method,
+    tx: optax.GradientTransformation,
+    schedule: Callable[[jax.Array], jax.Array],
+    mesh: Mesh,
+    probe_config: Any = None,
+    augment: Callable[[Any], Any] | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """Builds the jitted, state-donating train step over ``mesh``.
+
+    With ``probe_config`` (the run's config, probe enabled) the online linear probe is
+    trained in the same step on the method's stop-gradient ``Forward.features``.
+
+    The step is called as ``step(state, batch)`` or ``step(state, batch, stop)``, where
+    ``stop`` is :func:`stop_flags` of this process's SIGTERM flag: the step returns
+    ``metrics["stop"]``, the flag's maximum over every device of every process, so all
+    processes agree on when to stop without a collective of their own outside the step.
+
+    ``augment`` (jssl.data.device_augment.make_batch_augment, data.augment.on_device) turns
+    the host's uint8 crops into the method's views first, per example, so per replica.
+    """
+
+    replicas = mesh.shape[DATA_AXIS]
+
+    def replica_mean(tree):
+        # Over one device the mean is the value itself, but XLA still emits the all-reduce
+        # and gives every gradient a second buffer: Barlow Twins' step (8192x8192 projector,
+        # ResNet-18 32 px, batch 64) needed 1,724 MiB of temporaries with it, 1,529 without.
+        return tree if replicas == 1 else jax.lax.pmean(tree, DATA_AXIS)
+
+    def per_replica(state: TrainState, batch: Any, stop: jax.Array):
+        if augment is not None:
+            batch = augment(batch)
+        # Same key on every replica: methods that need agreement (shuffle-BN's permutation)
+        # get it for free; per-replica randomness folds in jax.lax.axis_index(DATA_AXIS).
+        rng = jax.random.fold_in(state.rng, state.step)
+        # jssl.methods.loss: weighted(objective(forward(params))), differentiated w.r.t. params.
+        grad_fn = jax.value_and_grad(functools.partial(methods.loss, method), has_aux=True)
+        (loss, out), grads = grad_fn(state.params, state, batch, rng)
+        # Equal local batches, so the mean of per-replica means is the global mean.
+        grads = replica_mean(grads)
+        loss = replica_mean(loss)
+        metrics = replica_mean(out.metrics)
+
+        batch_stats = None
+        if out.batch_stats is not None:
+            # Per-device statistics (sync_bn=False) differ; their mean keeps the replicated
+            # state consistent (with sync_bn they are equal and this is a no-op).
+            batch_stats = mean_over_devices(out.batch_stats)
+        new_probe = None
+        checked = (loss, grads)
+        if probe_config is not None and state.probe:
+            new_probe, probe_metrics = online_probe.update(
+                probe_config, state.probe, out.features, batch["label"], DATA_AXIS
+            )
+            metrics = dict(metrics, **probe_metrics)
+            checked = (*checked, probe_metrics["probe/loss"])
+        finite = _all_finite(checked)
+
+        def updated(state):
+            param_updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            new_state = state.replace(
+                step=state.step + 1,
+                params=optax.apply_updates(state.params, param_updates),
+                opt_state=opt_state,
+            )
+            if batch_stats is not None:
+                new_state = new_state.replace(batch_stats=batch_stats)
+            if method.after_update is not None:
+                new_state = method.after_update(new_state, out.carry)
+            if new_probe is not None:
+                new_state = new_state.replace(probe=new_probe)
+            return new_state
+
+        def kept(state):
+            first_bad = jnp.where(state.nonfinite_step >= 0, state.nonfinite_step, state.step)
+            return state.replace(nonfinite_step=first_bad)
+
+        # A non-finite loss or gradient (the method's or the online probe's) keeps the
+        # previous state and records the step, so the host can stop with a precise message
+        # and the last checkpoint stays valid.
+        # One cond rather than a select per leaf of the state: the selects (and the flag each
+        # recomputed) were a fifth of the step's HLO instructions (ResNet-18 MoCo: 16.9k,
+        # 13.7k with the cond) and 1.5-2 s of its compile time on 2 CPU cores; the step is no
+        # slower. Every replica takes the same branch: ``finite`` comes from pmeans.
+        new_state = jax.lax.cond(finite, updated, kept, state)
+
+        metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))
+        metrics["stop"] = jax.lax.pmax(jnp.max(stop), DATA_AXIS)
+        return new_state, metrics
+
+    sharded = jax.shard_map(
+        per_replica,
+        mesh=mesh,
+        in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)),
+        out_specs=(P(), P()),
+        # Replicated values are kept consistent by the explicit pmeans above (pmap style).
+        check_vma=False,
+    )
+    step = jax.jit(sharded, donate_argnums=0)
+    no_stop = stop_flags(mesh, False)
+
+    def train_step(state: TrainState, batch: Any, stop: jax.Array | None = None):
+        return step(state, batch, no_stop if stop is None else stop)
+
+    train_step.lower = step.lower  # (state, batch, stop): ahead-of-time compilation
+    return train_step
+
+
+def stop_flags(mesh: Mesh, requested: bool) -> jax.Array:
+    """This process's stop request as the step's ``stop`` input: one int32 per device,
+    sharded on the data axis (each process fills its own devices' entries)."""
+    sharding = NamedSharding(mesh, P(DATA_AXIS))
+    local = np.full((len(mesh.local_devices),), int(requested), np.int32)
+    return jax.make_array_from_process_local_data(sharding, local)
+
+
+def make_eval_step(
+    method: Method,
+    mesh: Mesh,
+    *,
+    crop_groups: Sequence[tuple[int, int]] = ((2, 0),),
+    taps: Sequence[str] = (),
+) -> Callable[[TrainState, Any], tuple]:
+    """The method's loss on an evaluation batch, in evaluation mode (BN running statistics,
+    no state updates), with the per-example outputs the test phase writes.
+
+    The batch is the evaluation pipeline's ``{"image", "label", "index", "mask"}`` (one
+    centre crop per example, padding rows with ``mask`` False). The image is fed as every
+    crop of every crop group, ``crop_groups`` being ``(num_crops, size)`` pairs (size 0: the
+    image's own; others are resized to), so the test loss is the method's loss on identical
+    centre-crop views: it measures the encoders' agreement on clean images, not the
+    augmentation-invariance the training loss measures.
+
+    Returns ``(totals, per_example)``:
+
+    - ``totals``: ``{name: (weighted_sum, weight)}`` summed over the global batch, so the
+      caller averages over a whole split with sum(weighted_sum) / sum(weight). ``loss`` is
+      exact over the real rows (the method's ``per_example_loss`` times ``mask``). The
+      method's batch-mean metrics cannot be split per example, so they count only for local
+      (per-device) batches without padding rows; its ``per_example_metrics`` are exact.
+    - ``per_example`` (sharded like the batch): ``per_example_loss``, ``embeddings`` (head
+      output), ``features`` (trunk avgpool) when the method provides them, the unweighted
+      loss terms as ``term_<name>`` (``loss/<name>`` in ``totals`` is exact too), and each layer of
+      ``taps`` from the same eval-mode forward of the online model (XLA computes the
+      network once: it is the method's query forward on the same image), as float32.
+    """
+    per_example_keys = ("per_example_loss", "embeddings", "features")
+    taps = tuple(taps)
+
+    def per_replica(state: TrainState, batch: Any):
+        image = batch["image"]
+        mask = batch["mask"].astype(jnp.float32)
+        method_batch = dict(batch, crops=_as_crops(image, crop_groups))
+        loss, out = methods.loss(method, state.params, state, method_batch, state.rng, False)
+        metrics = out.metrics
+        outputs = {
+            k: getattr(out, k).astype(jnp.float32)
+            for k in per_example_keys
+            if getattr(out, k) is not None
+        }
+        if taps:
+            variables = {"params": state.params, "batch_stats": state.batch_stats}
+            tapped = method.model.apply(variables, image, train=False)
+            missing = [layer for layer in taps if layer not in tapped]
+            if missing:
+                raise KeyError(f"unknown layer(s) {missing}; the model taps {sorted(tapped)}")
+            outputs.update({layer: tapped[layer].astype(jnp.float32) for layer in taps})
+
+        count = jnp.sum(mask)
+        # A local batch with padding rows has batch means polluted by them: weight 0.
+        full = jnp.where(count == mask.shape[0], count, 0.0)
+        totals = {name: (value * full, full) for name, value in metrics.items()}
+        if out.per_example_loss is not None:
+            per_example_loss = out.per_example_loss.astype(jnp.float32)
+            totals["loss"] = (jnp.sum(per_example_loss * mask), count)
+        else:
+            totals["loss"] = (loss * full, full)
+        for name, term in (out.terms or {}).items():
+            term = term.astype(jnp.float32)
+            outputs[f"term_{name}"] = term
+            totals[f"loss/{name}"] = (jnp.sum(term * mask), count)
+        for name, value in (out.per_example_metrics or {}).items():
+            totals[name] = (jnp.sum(value.astype(jnp.float32) * mask), count)
+        return jax.lax.psum(totals, DATA_AXIS), outputs
+
+    sharded = jax.shard_map(
+        per_replica,
+        mesh=mesh,
+        in_specs=(P(), P(DATA_AXIS)),
+        out_specs=(P(), P(DATA_AXIS)),
+        check_vma=False,
+    )
+    return jax.jit(sharded)
+
+
+def _as_crops(image: jax.Array, crop_groups: Sequence[tuple[int, int]]) -> tuple:
+    """``image`` (n, H, W, 3) as every crop of each group: (n, num_crops, S, S, 3) arrays."""
+    out = []
+    for count, size in crop_groups:
+        n, h, w, c = image.shape
+        resized = image
+        if size and (size, size) != (h, w):
+            resized = jax.image.resize(image, (n, size, size, c), "linear", antialias=True)
+        out.append(jnp.broadcast_to(resized[:, None], (n, count, *resized.shape[1:])))
+    return tuple(out)
+
+
+def make_forward(method: Method, mesh: Mesh) -> Callable[[TrainState, jax.Array], dict]:
+    """Eval-mode taps of the online model on a globally sharded image batch."""
+
+    def forward(state: TrainState, images: jax.Array) -> dict[str, jax.Array]:
+        variables = {"params": state.params, "batch_stats": state.batch_stats}
+        return method.model.apply(variables, images, train=False)
+
+    # Eval mode has no cross-example coupling, so plain jit over sharded inputs suffices; the
+    # module's bn_axis_name is never used with use_running_average=True.
+    return jax.jit(forward)
