@@ -1,6 +1,6 @@
 """jssl.data: deterministic, host-local input pipelines for SSL training and evaluation.
 
-Sources: "demo" (a built-in generated TFDS dataset, offline), "tfds" (any TFDS dataset by name)
+Sources: "demo" (a built-in generated dataset, offline), "tfds" (any TFDS dataset by name)
 and "folder" (root/<split>/<class>/<images>). The trainer uses four functions:
 
 - build_train_dataset: one epoch of this process's batches of augmented crops (one array per
@@ -10,6 +10,11 @@ and "folder" (root/<split>/<class>/<images>). The trainer uses four functions:
   order is a seeded global permutation per epoch (epoch_order, process_order; see order.py);
 - build_eval_dataset: the whole split, un-augmented, padded with a mask to static shapes;
 - num_examples, steps_per_epoch: sizes, the same on every process.
+
+The batches come from tf.data (pipeline.py) where TensorFlow is installed, and for the demo
+data from a numpy twin (numpy_pipeline.py) where it is not: loader.py picks one per config
+(data.loader). Importing jssl.data, the crop groups, the order and the on-device augmentation
+never imports TensorFlow; only building a tf.data pipeline does.
 """
 
 from __future__ import annotations
@@ -17,14 +22,14 @@ from __future__ import annotations
 import ml_collections
 
 from jssl.data.crops import CropGroup, crop_groups, synthetic_batch, total_crops
-from jssl.data.order import epoch_order, process_order, shard_bounds, stream_block_ranges
-from jssl.data.pipeline import (
+from jssl.data.loader import (
     build_eval_dataset,
     build_train_dataset,
     num_examples,
     steps_per_epoch,
     train_order,
 )
+from jssl.data.order import epoch_order, process_order, shard_bounds, stream_block_ranges
 
 __all__ = [
     "CropGroup",
@@ -45,35 +50,39 @@ __all__ = [
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """The data config with its defaults (configs/base.py defines the same fields)."""
-    return ml_collections.ConfigDict(
-        dict(
-            source="demo",  # "demo" | "tfds" | "folder"
-            name="",  # TFDS dataset name when source="tfds"
-            data_dir=None,  # TFDS data_dir (demo/tfds); the root folder when source="folder"
-            train_split="train",
-            test_split="test",
-            batch_size=256,  # global: split evenly over processes
-            image_size=224,  # output crop side S
-            train_subset=-1,  # >0: only the first N train examples (VISSL's DATA_LIMIT)
-            shuffle_buffer=16384,
-            skip_corrupt=False,  # True: replace unreadable images (flagged "replaced") and log them
-            cache=False,  # keep decoded examples in memory across epochs (small datasets)
-            augment=dict(
-                num_crops=(2,),  # crops per group (jssl.data.crops)
-                crop_sizes=(),  # one side per group; () = image_size
-                crop_scale=(0.2, 1.0),  # one (min, max) pair, or one per group
-                crop_ratio=(3 / 4, 4 / 3),
-                flip_prob=(0.5,),  # probabilities: one for every group, or one per group
-                color_jitter_prob=(0.8,),
-                color_strength=0.5,  # VISSL ImgPilColorDistortion strength s
-                grayscale_prob=(0.2,),
-                blur_prob=(0.5,),
-                blur_sigma=(0.1, 2.0),  # pixels, as PIL's GaussianBlur radius in VISSL
-                solarize_prob=(0.0,),
-                mean=(0.485, 0.456, 0.406),
-                std=(0.229, 0.224, 0.225),
-                on_device=False,  # True: host crops + flips, the step the rest (device_augment)
-            ),
-        )
-    )
+    """The data fields of every jssl config (configs/base.py starts from these)."""
+    d = ml_collections.ConfigDict()
+    d.source = "demo"  # "demo" | "tfds" | "folder"
+    d.name = ""  # TFDS name when source="tfds", e.g. "imagenet2012"
+    d.data_dir = ml_collections.config_dict.placeholder(str)  # TFDS dir / folder root
+    # "auto": tf.data, or for the demo data a numpy pipeline where TensorFlow is not installed;
+    # "numpy" (demo only) / "tf" to choose (jssl/data/loader.py).
+    d.loader = "auto"
+    d.train_split = "train"
+    d.test_split = "test"
+    d.batch_size = 256  # global, over all devices and processes
+    d.image_size = 224  # output crop side
+    d.train_subset = -1  # >0: only the first N train examples (VISSL DATA_LIMIT)
+    d.shuffle_buffer = 16384
+    d.skip_corrupt = False  # True: replace unreadable images (counted per epoch), not fail
+    d.cache = False  # keep decoded examples in memory (small datasets)
+    d.augment = ml_collections.ConfigDict()
+    a = d.augment
+    # Crop groups (jssl/data/crops.py): crops per group, e.g. (2,) two views, (2, 6) SwAV's
+    # multi-crop. crop_sizes: one side per group, () = data.image_size. crop_scale and the
+    # probabilities: one value for every group, or one per group.
+    a.num_crops = (2,)
+    a.crop_sizes = ()
+    a.crop_scale = (0.2, 1.0)  # (min, max) area fraction, or one pair per group
+    a.crop_ratio = (3 / 4, 4 / 3)
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.8,)
+    a.color_strength = 0.5  # jitter (0.8s, 0.8s, 0.8s, 0.2s), VISSL ImgPilColorDistortion
+    a.grayscale_prob = (0.2,)
+    a.blur_prob = (0.5,)
+    a.blur_sigma = (0.1, 2.0)  # pixels, as PIL's GaussianBlur radius in VISSL
+    a.solarize_prob = (0.0,)
+    a.mean = (0.485, 0.456, 0.406)
+    a.std = (0.229, 0.224, 0.225)
+    a.on_device = False  # True: host crops + flips (uint8), the step does the rest (device_augment)
+    return d

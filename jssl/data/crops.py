@@ -24,17 +24,22 @@ example stay aligned across groups and are the same on any number of processes.
 With ``data.augment.on_device`` the host makes only each crop's box, resize and flip
 (``host_crops``, uint8) and the train step the rest (jssl.data.device_augment), from the same
 per-crop seeds.
+
+This module imports TensorFlow only inside the functions that build tf.data ops (make_crops,
+host_crops): the crop groups are also read by the train step, the methods and the numpy
+pipeline (jssl.data.numpy_pipeline), which run without TensorFlow.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import tensorflow as tf
 
-from jssl.data import transforms
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 PROB_FIELDS = ("flip_prob", "color_jitter_prob", "grayscale_prob", "blur_prob", "solarize_prob")
 
@@ -122,6 +127,18 @@ def total_crops(data_config) -> int:
     return sum(g.num_crops for g in crop_groups(data_config))
 
 
+def photometric(group: CropGroup) -> bool:
+    """Whether ``group``'s views need more than crop and flip (colour, grey, blur, solarise)."""
+    probs = (group.color_jitter_prob, group.grayscale_prob, group.blur_prob, group.solarize_prob)
+    return any(p > 0 for p in probs)
+
+
+def blur_radius(side: int) -> int:
+    """Half the Gaussian kernel's extent: ~10% of the image side as in SimCLR (appendix A).
+    Shared by the tf.data blur (transforms.blur) and its on-device twin (device_augment.blur)."""
+    return max(1, int(math.ceil(0.1 * side)) // 2)
+
+
 def make_crops(
     image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
 ) -> tuple[tf.Tensor, ...]:
@@ -130,6 +147,10 @@ def make_crops(
     ``seed`` is the example's seed; crop c (counted over all groups) gets the c-th of a
     stateless split, so with one group of two crops the views are those of a two-view pipeline.
     """
+    import tensorflow as tf
+
+    from jssl.data import transforms
+
     seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
     out, c = [], 0
     for group in groups:
@@ -153,6 +174,10 @@ def host_crops(
     of the rest of the view. The crop box, resize and flip are make_crops's; the crop is then
     rounded to uint8.
     """
+    import tensorflow as tf
+
+    from jssl.data import transforms
+
     seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
     out_crops, out_seeds, c = [], [], 0
     shape = tf.shape(image)
@@ -179,8 +204,11 @@ def host_crops(
 
 def synthetic_batch(data_config, batch_size: int, seed: int = 0) -> dict:
     """A host batch of noise shaped as the training pipeline's (every crop group), for
-    benchmarks and tests of the step that need no data: Gaussian float32 views, or with
-    ``data.augment.on_device`` uniform uint8 crops and their ``aug_seeds``."""
+    benchmarks and tests of the step that need no data: Gaussian float32 views, or where the
+    step makes the views (jssl.data.loader.views_on_device) uniform uint8 crops and their
+    ``aug_seeds``."""
+    from jssl.data import loader
+
     rs = np.random.RandomState(seed)
     groups = crop_groups(data_config)
     shapes = [(batch_size, g.num_crops, g.size, g.size, 3) for g in groups]
@@ -189,7 +217,7 @@ def synthetic_batch(data_config, batch_size: int, seed: int = 0) -> dict:
         "label": np.zeros(batch_size, np.int32),
         "index": np.arange(batch_size),
     }
-    if data_config.augment.get("on_device", False):
+    if loader.views_on_device(data_config):
         batch["crops"] = tuple(rs.randint(0, 256, shape, dtype=np.uint8) for shape in shapes)
         batch["aug_seeds"] = tuple(
             rs.randint(0, 2**32, (batch_size, g.num_crops, 3, 2), dtype=np.uint32) for g in groups

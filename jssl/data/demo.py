@@ -1,17 +1,20 @@
-"""The built-in demo dataset: 10 classes of coloured shapes, generated offline as a TFDS builder.
+"""The built-in demo dataset: 10 classes of coloured shapes, generated offline.
 
-It exists so that every method can be run end to end on a laptop CPU without a download, through
-the same TFDS code path as ImageNet. The class is defined by the shape only; foreground and
-background colours, size and position are random, so colour is a nuisance
-that colour distortion teaches an SSL method to ignore (the point of SimCLR's colour ablation,
-arXiv:2002.05709 section 3). Generation is deterministic: example i of a split always comes from
-numpy seed (split, i), and shuffling is disabled so the stored order is the generation order.
+It exists so that every method can be run end to end on a laptop CPU without a download. Where
+TensorFlow is installed it is read through the same TFDS code path as ImageNet (the builder
+"jssl_demo", jssl.data.demo_tfds, stores these images); without TensorFlow the numpy pipeline
+(jssl.data.numpy_pipeline) reads the same images from ``split_images``.
+
+The class is defined by the shape only; foreground and background colours, size and position
+are random, so colour is a nuisance that colour distortion teaches an SSL method to ignore (the
+point of SimCLR's colour ablation, arXiv:2002.05709 section 3). Generation is deterministic:
+example i of a split always comes from numpy seed (split, i), and the TFDS builder disables
+shuffling, so its stored order is the generation order.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import tensorflow_datasets as tfds
 
 IMAGE_SIZE = 32
 CLASS_NAMES = (
@@ -27,6 +30,7 @@ CLASS_NAMES = (
     "two_dots",
 )
 SPLIT_SIZES = {"train": 8000, "test": 2000}
+VERSION = "1.5.0"  # the TFDS builder's version: bump it with any change to make_example
 # Eight well separated colours (RGB in [0, 1]).
 _PALETTE = np.array(
     [
@@ -114,41 +118,22 @@ def make_example(split: str, index: int) -> tuple[np.ndarray, int]:
     return np.clip(image * 255.0 + 0.5, 0, 255).astype(np.uint8), label
 
 
-class JsslDemo(tfds.core.GeneratorBasedBuilder):
-    """TFDS builder "jssl_demo": procedurally generated shapes, no download."""
+_GENERATED: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # split -> (images, labels) so far
 
-    VERSION = tfds.core.Version("1.5.0")
-    RELEASE_NOTES = {
-        "1.0.0": "Initial release: 10 shape classes, 8000 train / 2000 test.",
-        "1.1.0": "Plain gradient backgrounds and larger, central shapes (no texture shortcut).",
-        "1.2.0": "Palette colours shared across images, uniform backgrounds (no identity cues).",
-        "1.3.0": "No per-image pixel noise (a fingerprint shared by overlapping crops).",
-        "1.4.0": "Per-image shape geometry: stretch, small rotation, stroke thickness.",
-        "1.5.0": "Dark backgrounds, light foregrounds: shapes stay visible in grayscale.",
-    }
-    # No download, so no checksums file to locate. Locating it (the inherited `code_path`) imports
-    # the `importlib_resources` backport, which TFDS 4.9.10 does not declare as a dependency.
-    code_path = None
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        return self.dataset_info_from_configs(
-            description="10 classes of shapes in palette colours on uniform backgrounds.",
-            features=tfds.features.FeaturesDict(
-                {
-                    "image": tfds.features.Image(shape=(IMAGE_SIZE, IMAGE_SIZE, 3)),
-                    "label": tfds.features.ClassLabel(names=CLASS_NAMES),
-                }
-            ),
-            supervised_keys=("image", "label"),
-            # Keep generation order on disk so that dataset index i is example i of the split.
-            disable_shuffling=True,
-        )
-
-    def _split_generators(self, dl_manager):
-        del dl_manager  # everything is generated locally
-        return {split: self._generate_examples(split, n) for split, n in SPLIT_SIZES.items()}
-
-    def _generate_examples(self, split: str, num: int):
-        for index in range(num):
-            image, label = make_example(split, index)
-            yield index, {"image": image, "label": label}
+def split_images(split: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``count`` examples of ``split``: uint8 images (count, 32, 32, 3) and int32
+    labels, generated once per process (0.2 ms an image) and extended when more are asked.
+    Example i is ``make_example(split, i)``, as in the TFDS builder's files."""
+    if split not in SPLIT_SIZES:
+        raise ValueError(f"The demo data has splits {sorted(SPLIT_SIZES)}, not {split!r}.")
+    count = min(count, SPLIT_SIZES[split])
+    images, labels = _GENERATED.get(
+        split, (np.zeros((0, IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8), np.zeros(0, np.int32))
+    )
+    if len(images) < count:
+        new = [make_example(split, i) for i in range(len(images), count)]
+        images = np.concatenate([images, np.stack([image for image, _ in new])])
+        labels = np.concatenate([labels, np.asarray([label for _, label in new], np.int32)])
+        _GENERATED[split] = images, labels
+    return images[:count], labels[:count]

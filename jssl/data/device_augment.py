@@ -1,6 +1,7 @@
 """The photometric half of the SSL views, run on the accelerator inside the jitted train step.
 
-With ``data.augment.on_device=True`` the host pipeline makes only each view's crop and flip, as
+With ``data.augment.on_device=True`` (and with the demo data's numpy pipeline, see
+jssl.data.loader.views_on_device) the host pipeline makes only each view's crop and flip, as
 uint8 (jssl.data.crops.host_crops), and hands over the view's colour, blur and solarize
 sub-seeds (jssl.data.transforms.view_seeds, the same (seed, epoch, index, crop) key as the host
 path). Here, per crop and per crop group, the rest of jssl.data.transforms.ssl_view runs in
@@ -8,8 +9,8 @@ float32 on the devices: colour distortion (torchvision ColorJitter in a random o
 RandomGrayscale), Gaussian blur, solarisation, normalisation (VISSL ImgPilColorDistortion,
 ImgPilGaussianBlur, ImgPilRandomSolarize, Normalize).
 
-Each op is the twin of its host op (tests/test_device_augment.py checks them equal given the
-same parameters). The random draws are JAX's (threefry keyed by the host's sub-seeds), not
+Each op is the twin of its host op (tests/data/test_device_augment.py checks them equal given
+the same parameters). The random draws are JAX's (threefry keyed by the host's sub-seeds), not
 TensorFlow's, so the two paths agree in distribution, not view for view. Because the key comes
 from the data (never the step's rng or the device index), the views are the same on any number
 of devices and after a resume. The crops are quantised to uint8 between crop and colour (at most
@@ -25,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from jssl.data import crops as crops_lib
-from jssl.data.transforms import blur_radius
+from jssl.data import loader
+from jssl.data.crops import blur_radius
 
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # tf.image.rgb_to_grayscale (ITU-R 601)
 SOLARIZE_THRESHOLD = 128 / 255  # PIL ImageOps.solarize at 128, as transforms.solarize
@@ -210,9 +212,10 @@ def augment_group(crops: jax.Array, seeds: jax.Array, group, augment) -> jax.Arr
 
 
 def make_batch_augment(data_config) -> Callable[[dict], dict] | None:
-    """The step's batch transform for ``data_config`` (None when data.augment.on_device is off):
-    the host batch's uint8 ``crops`` and ``aug_seeds`` -> float32 normalised ``crops``."""
-    if not data_config.augment.get("on_device", False):
+    """The step's batch transform for ``data_config``: the host batch's uint8 ``crops`` and
+    ``aug_seeds`` -> float32 normalised ``crops``. None where the host makes the whole views
+    (data.augment.on_device off, and not the numpy pipeline: jssl.data.loader.views_on_device)."""
+    if not loader.views_on_device(data_config):
         return None
     groups = crops_lib.crop_groups(data_config)
     augment = data_config.augment

@@ -45,9 +45,12 @@ jssl.data.pipeline.)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
+
+if TYPE_CHECKING:  # the tf.data helpers import it when they run: the order itself needs none
+    import tensorflow as tf
 
 _BLOCKS_PER_PROCESS = 16  # TFRecord TFDS without cache: contiguous blocks per process per epoch
 
@@ -142,6 +145,7 @@ def with_gaps(
     naming what is missing (describe(position) -> tf.string) when skip_corrupt=False, and is
     logged with the running count when True. The happy path pays only a cheap scan.
     """
+    import tensorflow as tf
 
     def check(state, record):
         expected, skipped = state
@@ -181,6 +185,8 @@ def with_gaps(
 
 def train_row(record: dict, replaced: bool | tf.Tensor) -> dict[str, tf.Tensor]:
     """The training row of a decoded record, before its views are made."""
+    import tensorflow as tf
+
     return {
         "image": record["image"],
         "label": tf.cast(record["label"], tf.int32),
@@ -200,6 +206,7 @@ def replace_unreadable(
     errors dropped), which is only read then. So the rows depend on the stream alone, not on
     where a resumed run starts.
     """
+    import tensorflow as tf
 
     def expand(record):
         gap = record["gap"]

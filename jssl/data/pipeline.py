@@ -1,5 +1,10 @@
 """Host-local tf.data pipelines for SSL training and for evaluation / feature extraction.
 
+jssl.data.loader calls this module for every source where TensorFlow is installed (and for
+data.loader="tf"); the built-in demo data has a numpy twin, jssl.data.numpy_pipeline, with the
+same batch layout and, where this order is exact (data.cache=True, as the demo presets set), the
+same order.
+
 Determinism is the design constraint: the views of an example are a function of (seed, epoch,
 index) alone, and a training epoch's batches of (seed, epoch, process index and count, start_step),
 so resuming mid-epoch replays exactly the remaining batches. Randomness therefore never comes from
@@ -23,37 +28,10 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from jssl.data import crops, order, sources, transforms
+from jssl.data import crops, decoding, order, sources, transforms
 
 AUTOTUNE = tf.data.AUTOTUNE
-_DECODED: dict[tuple, sources.DecodedSplit] = {}  # data.cache: decoded splits, once per process
-
-
-def num_examples(data_config, split: str) -> int:
-    """Examples in `split`, after data.train_subset when `split` is the train split."""
-    limit = data_config.train_subset if split == data_config.train_split else -1
-    return sources.resolve_split(data_config, split, limit).num_examples
-
-
-def steps_per_epoch(data_config, process_count: int = 1) -> int:
-    """Batches per training epoch, the same on every process (the global batch count)."""
-    order.local_batch(data_config.batch_size, process_count)
-    return num_examples(data_config, data_config.train_split) // data_config.batch_size
-
-
-def train_order(data_config) -> str:
-    """A line for the log: which training order this source gives (see jssl.data.order)."""
-    source = sources.resolve_split(data_config, data_config.train_split, data_config.train_subset)
-    if source.random_access or (data_config.cache and source.kind == "tfds"):
-        return (
-            "exact: each epoch is a seeded permutation of the whole train split, and global batch "
-            "t holds the same examples on any number of processes"
-        )
-    return (
-        "seeded blocks: TFDS TFRecord files are read sequentially, so global batch t depends on "
-        "the process count; prepare the dataset with `tfds build --file_format=array_record` or "
-        "set data.cache=True for the exact order"
-    )
+_DECODED: dict[tuple, decoding.DecodedSplit] = {}  # data.cache: decoded splits, once per process
 
 
 def _options(ds: tf.data.Dataset) -> tf.data.Dataset:
@@ -79,7 +57,7 @@ def _checked_images(
     positions: tf.data.Dataset,
     first_position: int,
     skip_corrupt: bool,
-    decode=sources.decode_image,
+    decode=decoding.decode_image,
 ) -> tf.data.Dataset:
     """Decode (with `decode`) the examples at `positions` of `stream` (wrapping) of a
     random-access source (image folder or ArrayRecord TFDS), naming any unreadable one.
@@ -146,10 +124,10 @@ def _crops_fn(data_config, seed: int, epoch: int):
 
 
 def _decode_record(record):
-    return {**record, "image": sources.decode_image(record["image"], is_path=False)}
+    return {**record, "image": decoding.decode_image(record["image"], is_path=False)}
 
 
-def _decoded_split(data_config, source: sources.SplitSource) -> sources.DecodedSplit:
+def _decoded_split(data_config, source: sources.SplitSource) -> decoding.DecodedSplit:
     """The whole split decoded in memory, once per process and reused by every epoch."""
     key = (
         data_config.source,
@@ -160,7 +138,7 @@ def _decoded_split(data_config, source: sources.SplitSource) -> sources.DecodedS
         source.num_examples,
     )
     if key not in _DECODED:
-        store = sources.decode_split(source, f"split {source.split!r}")
+        store = decoding.decode_split(source, f"split {source.split!r}")
         missing = np.flatnonzero(~store.readable)
         if len(missing) and not data_config.skip_corrupt:
             raise ValueError(
@@ -241,7 +219,7 @@ def build_train_dataset(
     cached = data_config.cache and source.kind == "tfds"
     # Training decodes to uint8: the host path converts to float in _crops_fn (as before), and
     # data.augment.on_device crops and resizes the uint8 image without converting it whole.
-    decode = sources.decode_image_uint8
+    decode = decoding.decode_image_uint8
     if cached or source.random_access:
         stream = order.process_order(
             order.epoch_order(source.num_examples, data_config.batch_size, seed=seed, epoch=epoch),

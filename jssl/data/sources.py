@@ -2,14 +2,20 @@
 
 A split is resolved once into a `SplitSource` that knows its size and can read any contiguous
 range [start, end) of it in a stable order, as raw records {"image": encoded bytes or a file path,
-"label", "index"}. Decoding is left to the pipeline so that skipping and shuffling happen on cheap
-undecoded records. Dataset indices are positions in the stored split order (TFDS with
-shuffle_files=False; folders sorted by class then file name), so they are stable across runs.
+"label", "index"}. Decoding is left to the pipeline (jssl.data.decoding) so that skipping and
+shuffling happen on cheap undecoded records. Dataset indices are positions in the stored split
+order (TFDS with shuffle_files=False; folders sorted by class then file name), so they are stable
+across runs.
 
 Some sources can also read any single example (`random_access`): image folders, and TFDS datasets
 prepared in ArrayRecord files (`tfds build NAME --file_format=array_record`), read through TFDS's
 random-access data source. The training pipeline then reads exactly the examples of the global
 order (jssl.data.order); TFRecord files can only be streamed.
+
+The demo data read by the numpy pipeline (jssl.data.loader picks it where TensorFlow is missing)
+resolves to kind "demo": its images are generated in memory (jssl.data.demo), with TFDS's split
+and slice syntax (`slice_bounds`). TensorFlow and TFDS are imported only by the functions that
+read TFDS data or build tf.data ops, so resolving a folder or the numpy demo needs neither.
 """
 
 from __future__ import annotations
@@ -17,12 +23,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
-import tensorflow_datasets as tfds
 from absl import logging
-from tensorflow_datasets.core import file_adapters
+
+from jssl.data import demo, loader
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 DEMO_NAME = "jssl_demo"
@@ -33,7 +44,7 @@ _FETCH_CHUNK = 64  # ArrayRecord: examples read per data-source call
 class SplitSource:
     """A resolved split: its size and how to read ranges of it."""
 
-    kind: str  # "tfds" | "folder"
+    kind: str  # "tfds" | "folder" | "demo" (generated in memory, the numpy pipeline)
     split: str  # the split name as given (for messages)
     num_examples: int
     offset: int = 0  # absolute index (within the base split) of example 0
@@ -47,10 +58,32 @@ class SplitSource:
     @property
     def random_access(self) -> bool:
         """Whether any example can be read on its own, in any order."""
-        return self.kind == "folder" or self.array_record
+        return self.kind in ("folder", "demo") or self.array_record
+
+    @property
+    def num_classes(self) -> int | None:
+        """Classes of the labels: TFDS metadata, an image folder's class folders or the demo's
+        classes; None when the data does not say."""
+        if self.kind == "folder":
+            return int(self.labels.max()) + 1
+        if self.kind == "demo":
+            return len(demo.CLASS_NAMES)
+        label = self.builder.info.features["label"] if self.builder is not None else None
+        return getattr(label, "num_classes", None)
+
+    @property
+    def base_num_examples(self) -> int:
+        """Examples of the whole split this one slices (``base_split``)."""
+        if self.kind == "folder":
+            return self.num_examples
+        if self.kind == "demo":
+            return demo.SPLIT_SIZES[self.base_split]
+        return self.builder.info.splits[self.base_split].num_examples
 
     @functools.cached_property
     def _data_source(self):
+        import tensorflow_datasets as tfds
+
         # TFDS's random-access reader over the ArrayRecord files (one per process, opened once);
         # SkipDecoding keeps the image encoded, as read() does.
         return self.builder.as_data_source(
@@ -68,6 +101,7 @@ class SplitSource:
     def fetch_records(self, indices: tf.data.Dataset) -> tf.data.Dataset:
         """Raw records {"image", "label", "index"} of a dataset of int64 indices (ArrayRecord),
         read in chunks (one data-source call each), in parallel and in order."""
+        import tensorflow as tf
 
         def chunk_records(chunk):
             images, labels = tf.numpy_function(self.fetch, [chunk], [tf.string, tf.int32])
@@ -81,6 +115,11 @@ class SplitSource:
 
     def read(self, start: int, end: int) -> tf.data.Dataset:
         """Raw records of examples [start, end) of this split, in index order."""
+        import tensorflow as tf
+        import tensorflow_datasets as tfds
+
+        if self.kind == "demo":
+            raise ValueError("The in-memory demo split is read by jssl.data.numpy_pipeline.")
         if self.kind == "folder":
             records = {
                 "image": np.asarray(self.paths[start:end], dtype=object),
@@ -108,9 +147,12 @@ class SplitSource:
 
 
 def _tfds_builder(data_config) -> tfds.core.DatasetBuilder:
+    loader.require_tensorflow(data_config)
+    import tensorflow_datasets as tfds
+
     data_dir = data_config.data_dir
     if data_config.source == "demo":
-        from jssl.data import demo  # noqa: F401  (registers the "jssl_demo" builder)
+        from jssl.data import demo_tfds  # noqa: F401  (registers the "jssl_demo" builder)
 
         builder = tfds.builder(DEMO_NAME, data_dir=data_dir)
         if not builder.is_prepared():
@@ -147,6 +189,9 @@ def _unknown_split_error(data_config, split: str, available) -> ValueError:
 
 
 def _resolve_tfds(data_config, split: str) -> SplitSource:
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.core import file_adapters
+
     builder = _tfds_builder(data_config)
     split_infos = builder.info.splits
     if split_infos:
@@ -187,6 +232,63 @@ def _resolve_tfds(data_config, split: str) -> SplitSource:
     count = int(ds.reduce(np.int64(0), lambda n, _: n + 1))
     return SplitSource(
         kind="tfds", split=split, num_examples=count, builder=builder, sliceable=False
+    )
+
+
+# TFDS's split syntax (tensorflow_datasets/core/splits.py): name, then an optional [from:to].
+_SPLIT_RE = re.compile(r"^(?P<name>[\w-]+)(\[(?P<selector>[\d\w%:.-]+)\])?$")
+_BOUND_RE = re.compile(r"^((?P<value>-?[\d_.]+)(?P<unit>%)?)?$")
+
+
+def slice_bounds(split: str, sizes: dict[str, int]) -> tuple[str, int, int]:
+    """(base split, start, end) of a TFDS split spec such as 'train', 'train[:1000]' or
+    'test[10%:-10%]' over splits of ``sizes``, as TFDS resolves it (percent boundaries rounded
+    to the closest example), for sources read without TFDS."""
+    invalid = ValueError(
+        f"Split {split!r} is not a split name or one slice of one: write it as 'train', "
+        "'train[:1000]' or 'train[10%:20%]'."
+    )
+    match = _SPLIT_RE.match(split.strip())
+    bounds = (match["selector"] or ":").split(":") if match else []
+    units = [_BOUND_RE.match(b) for b in bounds]
+    if len(bounds) != 2 or not all(units):
+        raise invalid
+    name = match["name"]
+    if name not in sizes:
+        raise KeyError(name)
+    size = sizes[name]
+    percent = any(u["unit"] for u in units)
+
+    def absolute(bound, default: int) -> int:
+        if not bound["value"]:
+            return default
+        if percent:  # TFDS's "closest" rounding
+            return int(round(float(bound["value"]) * size / 100.0))
+        return int(bound["value"])
+
+    try:
+        start, end = absolute(units[0], 0), absolute(units[1], size)
+    except ValueError:
+        raise invalid from None
+    if abs(start) > size or abs(end) > size:
+        raise ValueError(f"Split {split!r}: the slice is outside the {size} examples of {name!r}.")
+    start, end = (size + start if start < 0 else start), (size + end if end < 0 else end)
+    return name, start, max(start, end)
+
+
+def _resolve_demo(data_config, split: str) -> SplitSource:
+    """The demo data generated in memory (the numpy pipeline): TFDS's split syntax, no files."""
+    try:
+        base, start, end = slice_bounds(split, demo.SPLIT_SIZES)
+    except KeyError:
+        raise _unknown_split_error(data_config, split, demo.SPLIT_SIZES) from None
+    return SplitSource(
+        kind="demo",
+        split=split,
+        num_examples=end - start,
+        offset=start,
+        base_split=base,
+        labels=np.arange(start, end, dtype=np.int32) % len(demo.CLASS_NAMES),
     )
 
 
@@ -244,7 +346,9 @@ def list_image_folder(root: str, split: str) -> tuple[tuple[str, ...], np.ndarra
 
 def resolve_split(data_config, split: str, limit: int = -1) -> SplitSource:
     """Resolve `split` of the configured source; `limit` > 0 keeps only its first `limit`."""
-    if data_config.source in ("demo", "tfds"):
+    if data_config.source == "demo" and loader.resolve(data_config) == "numpy":
+        source = _resolve_demo(data_config, split)
+    elif data_config.source in ("demo", "tfds"):
         source = _resolve_tfds(data_config, split)
     elif data_config.source == "folder":
         if not data_config.data_dir:
@@ -260,75 +364,6 @@ def resolve_split(data_config, split: str, limit: int = -1) -> SplitSource:
             f"Unknown data.source={data_config.source!r}: use 'demo', 'tfds' or 'folder'."
         )
     if limit > 0 and limit < source.num_examples:
-        source = dataclasses.replace(source, num_examples=limit)
+        labels = None if source.labels is None else source.labels[:limit]
+        source = dataclasses.replace(source, num_examples=limit, labels=labels)
     return source
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodedSplit:
-    """Every example of a split decoded to uint8 and held in memory, for random access by index.
-
-    Images may differ in size, so their pixels are stored back to back in one flat tensor with
-    per-example offsets and shapes; a lookup is one slice. Unreadable examples keep an empty
-    placeholder and readable[i] = False.
-    """
-
-    pixels: tf.Tensor  # uint8 [total pixels * 3]
-    offsets: tf.Tensor  # int64 [N]
-    shapes: tf.Tensor  # int64 [N, 3]
-    labels: tf.Tensor  # int32 [N]
-    readable: np.ndarray  # bool [N]
-
-    def lookup(self, index: tf.Tensor) -> dict[str, tf.Tensor]:
-        """{"image" uint8 HxWx3, "label", "index"} of example `index` (a scalar int64 tensor)."""
-        shape = self.shapes[index]
-        flat = tf.slice(self.pixels, [self.offsets[index]], [tf.reduce_prod(shape)])
-        image = tf.ensure_shape(tf.reshape(flat, shape), [None, None, 3])
-        return {"image": image, "label": self.labels[index], "index": index}
-
-
-def decode_split(source: SplitSource, describe: str) -> DecodedSplit:
-    """Reads and decodes all of `source` once (`describe` names it in the log)."""
-    size = source.num_examples
-    ds = source.read(0, size).map(
-        lambda r: {**r, "image": decode_image_uint8(r["image"], is_path=source.kind == "folder")},
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True,
-    )
-    images = [np.zeros((0, 0, 3), np.uint8)] * size
-    labels = np.zeros(size, np.int32)
-    readable = np.zeros(size, bool)
-    # Errors are dropped here and found as the indices that never arrive, so that the caller
-    # decides what an unreadable example means (data.skip_corrupt).
-    for record in ds.ignore_errors().as_numpy_iterator():
-        i = int(record["index"])
-        images[i], labels[i], readable[i] = record["image"], record["label"], True
-    shapes = np.array([image.shape for image in images], np.int64).reshape(size, 3)
-    counts = shapes.prod(axis=1)
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    pixels = np.concatenate([image.reshape(-1) for image in images])
-    logging.info(
-        "Cached %s in memory: %d examples, %.1f MB of decoded pixels.",
-        describe,
-        size,
-        pixels.nbytes / 2**20,
-    )
-    return DecodedSplit(
-        pixels=tf.constant(pixels),
-        offsets=tf.constant(offsets),
-        shapes=tf.constant(shapes),
-        labels=tf.constant(labels),
-        readable=readable,
-    )
-
-
-def decode_image_uint8(image: tf.Tensor, is_path: bool) -> tf.Tensor:
-    """Encoded bytes (or a file path) -> uint8 RGB HxWx3; grey and RGBA become RGB."""
-    data = tf.io.read_file(image) if is_path else image
-    decoded = tf.io.decode_image(data, channels=3, expand_animations=False)
-    return tf.ensure_shape(decoded, [None, None, 3])
-
-
-def decode_image(image: tf.Tensor, is_path: bool) -> tf.Tensor:
-    """Encoded bytes (or a file path) -> float32 RGB in [0, 1]; grey and RGBA become RGB."""
-    return tf.image.convert_image_dtype(decode_image_uint8(image, is_path), tf.float32)

@@ -10,10 +10,11 @@ and vissl/data/ssl_transforms/img_pil_*.py), and `eval_image` is the usual resiz
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
+
+from jssl.data.crops import blur_radius
 
 Seed = tf.Tensor  # shape (2,), int32 or int64
 
@@ -174,11 +175,6 @@ def gaussian_blur(
     border does not darken.
     """
     return blur(image, _uniform(seed, sigma_range[0], sigma_range[1]))
-
-
-def blur_radius(side: int) -> int:
-    """Half the Gaussian kernel's extent: ~10% of the image side as in SimCLR (appendix A)."""
-    return max(1, int(math.ceil(0.1 * side)) // 2)
 
 
 def blur(image: tf.Tensor, sigma: tf.Tensor) -> tf.Tensor:
