@@ -12,7 +12,7 @@ VISSL's optimizer block maps onto ``config.optim``:
   of the decayed gradient, momentum on the scaled step, the learning rate last.
 - ``regularize_bn`` / ``regularize_bias`` become a weight-decay mask; ``exclude_bias_and_norm``
   and friends a trust-ratio mask (``trust_ratio_exclude``).
-- ``param_schedulers.lr`` is :mod:`jssl.schedules`; its API is re-exported here
+- ``param_schedulers.lr`` is :mod:`jssl.optim.schedules`; its API is re-exported here
   (``optim.build_schedule``); ``param_schedulers.weight_decay`` (a cosine, DINO's ViT recipe)
   is :func:`weight_decay_schedule`.
 - ``grad_clip_norm`` clips the global gradient norm (VISSL ``GRAD_CLIP``);

@@ -13,8 +13,8 @@ import ml_collections
 import optax
 from flax import traverse_util
 
+from jssl.optim.schedules import Schedule, peak_learning_rate
 from jssl.optim.transforms import build_optimizer
-from jssl.schedules import Schedule, peak_learning_rate
 
 
 class FrozenState(NamedTuple):

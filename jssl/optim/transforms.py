@@ -12,7 +12,7 @@ import ml_collections
 import optax
 from flax import traverse_util
 
-from jssl.schedules import (  # noqa: F401  (the schedule API, re-exported)
+from jssl.optim.schedules import (  # noqa: F401  (the schedule API, re-exported)
     SCHEDULES,
     Schedule,
     build_schedule,
