@@ -1,4 +1,4 @@
-"""The epoch and step loop that the training engines share (train, linear_eval).
+"""The epoch and step loop of linear_eval (jssl.engines.linear_eval), driven by hooks.
 
 The loop goes through epochs and their batches, starting at a resume position
 (``checkpoint.DataPosition``). It runs the engine's step on each batch and does the periodic
@@ -8,90 +8,28 @@ of each window run every ``log_every_steps``. A checkpoint is saved every
 ``test_every_epochs``. The engine supplies what each of these does (``Hooks``); the loop
 decides when they happen.
 
-With ``agreed_stop`` the loop also reads the SIGTERM flag that the step agreed on across
-processes (``metrics["stop"]``, see jssl.engines.preemption). It then stops after a step that
+With ``agreed_stop`` the loop also reads the stop flag that the step agreed on across
+processes (``metrics["stop"]``, see jssl.training.preemption). It then stops after a step that
 every process stops after, and saves that step's checkpoint first.
+
+The train engine writes the same schedule out as one flat loop (jssl.engines.train); the plan,
+the data positions and the metric windows of both are jssl.training.progress's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import ml_collections
 from clu import metric_writers, periodic_actions
 
-from jssl import checkpoint, summaries
+from jssl.checkpoints import manager as checkpoint
+from jssl.training.progress import Metrics, Plan, Progress, Window, position_after
 
 State = Any
-Metrics = dict[str, Any]
-
-
-def position_after(epoch: int, step_in_epoch: int, steps_per_epoch: int) -> checkpoint.DataPosition:
-    """The position of the batch that follows batch ``step_in_epoch`` of ``epoch``."""
-    if step_in_epoch + 1 >= steps_per_epoch:
-        return checkpoint.DataPosition(epoch + 1, 0)
-    return checkpoint.DataPosition(epoch, step_in_epoch + 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How long a run is and how often each piece of periodic work happens."""
-
-    steps_per_epoch: int
-    num_epochs: int
-    max_steps: int  # debug.max_steps, or the total when that is not set
-    log_every_steps: int
-    checkpoint_every_steps: int = 0  # 0: only at the end of an epoch (and on SIGTERM)
-    test_every_epochs: int = 0  # 0: no test phase in the loop
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, steps_per_epoch: int) -> Plan:
-        total = steps_per_epoch * config.num_epochs
-        return cls(
-            steps_per_epoch=steps_per_epoch,
-            num_epochs=config.num_epochs,
-            max_steps=config.debug.max_steps if config.debug.max_steps > 0 else total,
-            log_every_steps=config.log_every_steps,
-            checkpoint_every_steps=config.checkpoint.every_steps,
-            test_every_epochs=config.test_every_epochs,
-        )
-
-    @property
-    def total_steps(self) -> int:
-        return self.steps_per_epoch * self.num_epochs
-
-
-@dataclasses.dataclass(frozen=True)
-class Progress:
-    """Where the loop is after a step."""
-
-    step: int  # the steps trained so far, including those before a resume
-    epoch: int  # the epoch of the batch just trained
-    epochs: float  # the epochs trained so far, as a fraction
-    next: checkpoint.DataPosition  # the batch after this one, where a resume would start
-
-
-@dataclasses.dataclass
-class Window:
-    """The steps since the metrics were last written: their metrics and wall-clock time."""
-
-    metrics: list[Metrics] = dataclasses.field(default_factory=list)
-    start: float = dataclasses.field(default_factory=time.perf_counter)
-
-    def __len__(self) -> int:
-        return len(self.metrics)
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.start
-
-    def mean(self) -> dict[str, float]:
-        """The mean of each metric over the window, without the loop's own stop flag."""
-        scalars = summaries.mean_metrics(self.metrics)
-        scalars.pop("stop", None)
-        return scalars
+# linear_eval and the tests name these through this module.
+__all__ = ["Hooks", "Loop", "Metrics", "Plan", "Progress", "Window", "position_after"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +87,8 @@ class Loop:
             every_steps=plan.checkpoint_every_steps or None, callback_fn=self._save_in_epoch
         )
         # The test phase counts completed epochs, not steps.
-        every = plan.test_every_epochs if hooks.test is not None else 0
         self._test = periodic_actions.PeriodicCallback(
-            on_steps=range(every, plan.num_epochs + 1, every) if every > 0 else (),
+            on_steps=plan.test_epochs if hooks.test is not None else (),
             callback_fn=self._run_test,
         )
 

@@ -1,20 +1,29 @@
-"""The train engine: VISSL's trainer as one loop of phases over a functional state.
+"""The train engine: VISSL's trainer as one loop over a functional state.
 
-Phases: a train epoch, then (every ``test_every_epochs``) a test phase with the validation
-loss and the kNN monitor. clu periodic actions and one metric writer stand in for VISSL's
-hooks; orbax checkpoints at the end of each epoch, every ``checkpoint.every_steps`` and on
-SIGTERM; a restart with the same workdir resumes where the last checkpoint left off.
+``run`` reads top to bottom. Set-up: the data (every split the run reads is resolved first),
+the method, the optimizer, the state to start from (the workdir's checkpoint, then
+``init.checkpoint``, then scratch), the metric writer, the compiled steps and the kNN
+baseline. Then one loop over the steps; after each, its periodic work through clu periodic
+actions: the progress report (steps/s, ETA) and the window's mean metrics every
+``log_every_steps``, a checkpoint every ``checkpoint.every_steps``, and at the end of each
+epoch a checkpoint and (every ``test_every_epochs``) the test phase with the validation loss
+and the kNN monitor (jssl.evaluation.monitor). Last, the final kNN accuracy and the summary.
 
-The epochs and the timing of that periodic work are the shared loop's (jssl.engines.loop);
-this module sets the run up, says what each piece of work does for pre-training (``_Engine``)
-and writes the final summary.
+A SIGTERM or a first Ctrl-C stops the loop at a step all processes agree on, after saving it
+(jssl.training.preemption); a restart with the same workdir resumes where the last checkpoint
+left off, in the data too. No non-finite state is ever saved: the step checks the loss and
+gradients, and the whole state is checked before every save and at every log step
+(jssl.training.finite). An error in any periodic work lets a save in flight complete first
+(``checkpoint.closing``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import functools
+import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -22,37 +31,31 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
-from clu import metric_writers, parameter_overview, periodic_actions
+from clu import parameter_overview, periodic_actions
 from jax.experimental import multihost_utils
 
-from jssl import (
-    checkpoint,
-    data,
-    methods,
-    models,
-    optim,
-    parallel,
-    probe,
-    summaries,
-    train_state,
-    warm_start,
-)
+from jssl import data, engines, methods, models, optim, parallel
+from jssl.checkpoints import manager as checkpoint
+from jssl.checkpoints import warm_start
 from jssl.data import device_augment
-from jssl.engines import loop as engine_loop
-from jssl.engines import monitor, preemption
-from jssl.train_step import make_forward, make_train_step, stop_flags
+from jssl.engines import knn as knn_engine
+from jssl.evaluation import monitor
+from jssl.training import finite, preemption, probe, summaries
+from jssl.training import state as train_state
+from jssl.training.progress import Plan, Progress, Window, position_after
+from jssl.training.step import make_forward, make_train_step, stop_flags
 
-
-class NonFiniteLossError(FloatingPointError):
-    pass
+# Raised when the loss, the gradients or the state become non-finite (named here by the tests).
+NonFiniteLossError = finite.NonFiniteLossError
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
     """Start-up checks of the config: each failure names the field and how to fix it."""
-    _check_positive(config, "log_every_steps", "num_epochs", "data.batch_size", "data.image_size")
+    engines.check_positive(
+        config, "log_every_steps", "num_epochs", "data.batch_size", "data.image_size"
+    )
     if config.knn.enabled:
-        _check_positive(config, "knn.batch_size", "knn.k")
-        parallel.check_batch_divisible(config.knn.batch_size)
+        knn_engine.check_config(config, monitor=True)
     if config.probe.num_classes < 0:
         raise ValueError(
             f"probe.num_classes={config.probe.num_classes} must be >= 0 (0 turns the probe off)."
@@ -61,15 +64,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     checkpoint.check_config(config.checkpoint)
     data.crop_groups(config.data)
     methods.check_config(config)
-
-
-def _check_positive(config: ml_collections.ConfigDict, *fields: str) -> None:
-    for field in fields:
-        value = config
-        for name in field.split("."):
-            value = value[name]
-        if value <= 0:
-            raise ValueError(f"{field}={value} must be positive: set --config.{field}=<n> > 0.")
 
 
 def init_state(config: ml_collections.ConfigDict, method: methods.Method, tx, mesh):
@@ -111,96 +105,307 @@ def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, st
     return optim.freeze_for_steps(tx, params_shape, method.frozen_params), schedule
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Trains ``config.method`` and returns the final summary (kNN accuracies, steps).
+def run(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    batches: Iterable[dict] | Callable[[int], Iterable[dict]] | None = None,
+    steps_per_epoch: int | None = None,
+) -> dict[str, Any]:
+    """Trains ``config.method`` and returns the final summary: ``step``, ``state`` and, with
+    the kNN monitor on, the kNN accuracies (``knn``, ``knn_random_init``, ``knn_comparison``).
 
-    ``summary["preempted"]`` is True when the run stopped on SIGTERM after saving (launch.py
-    then exits with ``preemption.PREEMPTED_EXIT_CODE``).
+    ``summary["preempted"]`` is True when the run stopped on SIGTERM or a first Ctrl-C after
+    saving (launch.py then exits with ``preemption.PREEMPTED_EXIT_CODE``).
+
+    ``batches`` replaces jssl's pipeline by the caller's host batches (see ``jssl.train``):
+    an iterable read once per epoch, or ``epoch -> iterable``; ``steps_per_epoch`` batches of
+    it make an epoch (default ``len(batches)``).
     """
+    if batches is not None:
+        steps_per_epoch = _user_steps_per_epoch(batches, steps_per_epoch)
     validate(config)
     probe.check_num_classes(config)
+    check_splits(config)
     if config.debug.nans:
         jax.config.update("jax_debug_nans", True)
-    # From the start: a SIGTERM while compiling or measuring the baseline is acted on at the
-    # first step, instead of killing the process before anything is saved.
-    with preemption.Preemption() as sigterm:
-        return _train(config, workdir, sigterm)
-
-
-def _train(config: ml_collections.ConfigDict, workdir: str, sigterm) -> dict[str, Any]:
-    mesh = parallel.make_mesh()
-    steps_per_epoch = _steps_per_epoch(config)
-    logging.info("Training order: %s.", data.train_order(config.data))
-    method = methods.get(config, steps_per_epoch)
-    tx, schedule = make_optimizer(config, method, steps_per_epoch)
-    manager, state, position, resumed = _start_state(config, workdir, method, tx, mesh)
-    writer = metric_writers.create_default_writer(
-        os.path.join(workdir, "tensorboard"), just_logging=jax.process_index() > 0
-    )
-    forward = make_forward(method, mesh)
-    summary = _first_summaries(config, workdir, writer, forward, state, mesh, resumed)
-
-    engine = _Engine(
-        config=config,
-        workdir=workdir,
-        mesh=mesh,
-        manager=manager,
-        writer=writer,
-        steps_per_epoch=steps_per_epoch,
-        train_step=make_train_step(
+    # From here on a stop request is acted on at the first step, even one that comes while
+    # restoring, compiling or measuring the kNN baseline, instead of killing the process
+    # before anything is saved.
+    with preemption.Preemption() as stop_request, contextlib.ExitStack() as cleanup:
+        mesh = parallel.make_mesh()
+        plan = Plan.from_config(config, steps_per_epoch or _steps_per_epoch(config))
+        if batches is None:
+            logging.info("Training order: %s.", data.train_order(config.data))
+        method = methods.get(config, plan.steps_per_epoch)
+        tx, schedule = make_optimizer(config, method, plan.steps_per_epoch)
+        manager, state, position, resumed = _start_state(config, workdir, method, tx, mesh)
+        # An error from here on waits for the save in flight before it ends the run.
+        cleanup.enter_context(checkpoint.closing(manager))
+        writer = summaries.create_writer(
+            os.path.join(workdir, "tensorboard"), just_logging=jax.process_index() > 0
+        )
+        train_step = make_train_step(
             method,
             tx,
             schedule,
             mesh,
             probe_config=config if probe.enabled(config) else None,
             augment=device_augment.make_batch_augment(config.data),
-        ),
-        eval_step=monitor.make_test_step(config, method, mesh),
-        forward=forward,
-        sigterm=sigterm,
-    )
-    loop = engine_loop.Loop(
-        engine_loop.Plan.from_config(config, steps_per_epoch),
-        engine.hooks(),
-        writer,
-        agreed_stop=True,
-    )
-    state, _ = loop.run(state, position, int(jax.device_get(state.step)))
-    return _finish(config, engine, state, stopped=loop.stopped, summary=summary)
-
-
-def _finish(config, engine: _Engine, state, *, stopped: bool, summary: dict[str, Any]):
-    """Waits for the last checkpoint, completes the summary (the final kNN accuracy unless
-    the run was preempted) and closes the writer and the checkpoint manager."""
-    step = int(jax.device_get(state.step))
-    checkpoint.finish(engine.manager)
-    engine.check_finite(state)
-    summary["step"] = step
-    if stopped:
-        logging.warning(
-            "Stopped by SIGTERM at step %d after saving a checkpoint; rerun the same command "
-            "to resume (exit status %d).",
-            step,
-            preemption.PREEMPTED_EXIT_CODE,
         )
-        summary["preempted"] = True
-    elif config.knn.enabled:
-        _final_knn(config, engine, state, step, summary)
-    engine.writer.flush()
-    engine.manager.close()
+        eval_step = monitor.make_test_step(config, method, mesh)
+        forward = make_forward(method, mesh)
+        summary: dict[str, Any] = {}
+        if not resumed:
+            overview = parameter_overview.get_parameter_overview(state.params)
+            logging.info("Parameters of the online network:\n%s", overview)
+            writer.write_texts(0, {"parameters": f"```\n{overview}\n```"})
+        if config.knn.enabled:
+            baseline = monitor.knn_baseline(
+                config, forward, state, mesh, workdir=workdir, writer=writer, resumed=resumed
+            )
+            if baseline is not None:
+                summary["knn_random_init"] = baseline
+
+        # The periodic work; each action is called with the steps done after every step
+        # (the test phase: with the epochs done, at the end of each epoch).
+        report_progress = periodic_actions.ReportProgress(
+            num_train_steps=plan.total_steps, writer=writer, every_steps=plan.log_every_steps
+        )
+        profile = None
+        if config.debug.profile:
+            profile = periodic_actions.Profile(logdir=workdir, num_profile_steps=5)
+        checks = functools.partial(_check_finite, manager=manager, workdir=workdir, plan=plan)
+        write_metrics = periodic_actions.PeriodicCallback(
+            every_steps=plan.log_every_steps,
+            on_steps=[plan.max_steps],
+            callback_fn=functools.partial(_write_metrics, config, writer, manager, checks),
+            pass_step_and_time=False,
+        )
+        save_in_epoch = periodic_actions.PeriodicCallback(
+            every_steps=plan.checkpoint_every_steps or None,
+            callback_fn=functools.partial(_save_in_epoch, manager, checks),
+            pass_step_and_time=False,
+        )
+        test_phase = periodic_actions.PeriodicCallback(
+            on_steps=plan.test_epochs,
+            callback_fn=functools.partial(
+                _test_phase, config, eval_step, forward, mesh, workdir, writer
+            ),
+            pass_step_and_time=False,
+        )
+
+        first_step = step = int(jax.device_get(state.step))
+        window, metrics, stopped = Window(), None, False
+        replaced = 0  # rows of this epoch standing in for unreadable examples
+        tested = (-1, {})  # (step, results) of the last test phase
+        if batches is None:
+            host_batches = _train_batches(config, position, plan)
+        else:
+            host_batches = _user_batches(batches, position, plan)
+        # ``step``: the steps done once this batch is trained. The range ends the run at
+        # max_steps, the batches at the end of the last epoch.
+        for step, (epoch, index, host_batch) in zip(
+            range(first_step + 1, plan.max_steps + 1), host_batches, strict=False
+        ):
+            if "replaced" in host_batch:  # data.skip_corrupt
+                replaced += int(np.sum(host_batch.pop("replaced")))
+            if step == 1:
+                summaries.write_views(writer, host_batch["crops"], config.data.augment)
+            previous = metrics  # the metrics of the step before, whose stop flag is read
+            batch = parallel.host_batch_to_global(host_batch, mesh)
+            state, metrics = train_step(state, batch, stop_flags(mesh, stop_request.requested))
+            window.metrics.append(metrics)
+            progress = Progress(
+                step=step,
+                epoch=epoch,
+                epochs=epoch + (index + 1) / plan.steps_per_epoch,
+                next=position_after(epoch, index, plan.steps_per_epoch),
+            )
+
+            report_progress(step)
+            if profile is not None:
+                profile(step)
+            if write_metrics(step, state=state, progress=progress, window=window):
+                window = Window()
+            save_in_epoch(step, state=state, progress=progress)
+            # Every process reads the same agreed flag of the same step, so all of them stop
+            # after the same step; reading the step before keeps one in flight. The last
+            # step of an epoch (or of the run) reads its own flag too.
+            stopped = _stop_agreed(previous)
+            epoch_done = progress.next.epoch == epoch + 1
+            if not (epoch_done or stopped or step >= plan.max_steps):
+                continue
+            stopped = stopped or _stop_agreed(metrics)
+
+            # The end of an epoch, or of the run in the middle of one.
+            _report_replaced(config, writer, epoch, step, replaced)
+            checks(state, step)
+            checkpoint.save(manager, state, progress.next, force=True)
+            # The test phase follows every completed epoch, the last one included
+            # (max_steps defaults to the total, so reaching it is not in itself an early
+            # stop); a stopped run leaves as fast as it can.
+            if epoch_done and not stopped and test_phase(epoch + 1, state=state, progress=progress):
+                tested = (step, test_phase.get_last_callback_result())
+            if stopped or step >= plan.max_steps:
+                break
+            window, replaced = Window(), 0
+
+        checkpoint.finish(manager)
+        checks(state, step)
+        summary["step"] = step
+        if stopped:
+            logging.warning(
+                "Stopped by %s at step %d after saving a checkpoint; rerun the same "
+                "command to resume (exit status %d).",
+                stop_request.signal_name or "SIGTERM",
+                step,
+                preemption.PREEMPTED_EXIT_CODE,
+            )
+            summary["preempted"] = True
+        elif config.knn.enabled:
+            knn_final = monitor.final_knn(config, forward, state, mesh, step=step, last_test=tested)
+            writer.write_scalars(step, {f"knn/{k}": v for k, v in knn_final.items()})
+            summary["knn"] = knn_final
+            if "knn_random_init" in summary:
+                summary["knn_comparison"] = monitor.knn_comparison(
+                    config, knn_final, summary["knn_random_init"]
+                )
+        writer.flush()
     summary["state"] = state
     return summary
 
 
-def _steps_per_epoch(config: ml_collections.ConfigDict) -> int:
-    steps_per_epoch = data.steps_per_epoch(config.data, jax.process_count())
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"The train split has {data.num_examples(config.data, config.data.train_split)} "
-            f"examples, fewer than one global batch (data.batch_size={config.data.batch_size}); "
-            "lower --config.data.batch_size or use more data (data.train_subset)."
+def check_splits(config: ml_collections.ConfigDict) -> None:
+    """Resolves every split besides the train split that the run will read, so that a
+    missing one stops the run before the first step, not at the end of an epoch."""
+    reads = []  # (field, split, what reads it, the setting that turns that off)
+    if config.test_every_epochs > 0:
+        reads.append(
+            ("data.test_split", config.data.test_split, "the test phases", "test_every_epochs=0")
         )
+    if config.knn.enabled:
+        for name in ("train_split", "test_split"):
+            reads.append((f"knn.{name}", config.knn[name], "the kNN monitor", "knn.enabled=False"))
+    for field, split, reader, off in reads:
+        try:
+            data.num_examples(config.data, split)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(
+                f"{field}={split!r} cannot be read, and {reader} read it: {e} Or turn "
+                f"{reader} off with --config.{off}."
+            ) from e
+
+
+def _train_batches(config, position, plan: Plan) -> Iterator[tuple[int, int, dict]]:
+    """(epoch, index in the epoch, host batch) from ``position`` to the end of the last epoch;
+    each epoch's pipeline is built when its first batch is asked for."""
+    for epoch in range(position.epoch, plan.num_epochs):
+        start = position.step_in_epoch if epoch == position.epoch else 0
+        dataset = data.build_train_dataset(
+            config.data,
+            seed=config.seed,
+            epoch=epoch,
+            start_step=start,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        for index, host_batch in enumerate(dataset.as_numpy_iterator(), start):
+            yield epoch, index, host_batch
+
+
+def _user_steps_per_epoch(batches, steps_per_epoch: int | None) -> int:
+    if steps_per_epoch is None:
+        if callable(batches) or not hasattr(batches, "__len__"):
+            raise ValueError(
+                "batches= has no len(): pass steps_per_epoch=<batches in one epoch> as well."
+            )
+        steps_per_epoch = len(batches)
+    if steps_per_epoch < 1:
+        raise ValueError(f"steps_per_epoch={steps_per_epoch} must be at least 1.")
     return steps_per_epoch
+
+
+def _user_batches(batches, position, plan: Plan) -> Iterator[tuple[int, int, dict]]:
+    """The caller's batches as (epoch, index in the epoch, host batch); a resumed epoch skips
+    the batches its checkpoint had trained on, so a loader that repeats each epoch's batches
+    resumes where it stopped."""
+    for epoch in range(position.epoch, plan.num_epochs):
+        source = batches(epoch) if callable(batches) else batches
+        start = position.step_in_epoch if epoch == position.epoch else 0
+        index = start - 1
+        window = itertools.islice(source, start, plan.steps_per_epoch)
+        for index, host_batch in enumerate(window, start):
+            yield epoch, index, {k: np.asarray(v) for k, v in dict(host_batch).items()}
+        if index + 1 < plan.steps_per_epoch:
+            raise ValueError(
+                f"batches= gave {index + 1} batches in epoch {epoch}, fewer than "
+                f"steps_per_epoch={plan.steps_per_epoch}."
+            )
+
+
+def _stop_agreed(metrics: dict | None) -> bool:
+    return metrics is not None and bool(int(metrics["stop"]))
+
+
+def _check_finite(state, step: int, *, manager, workdir: str, plan: Plan) -> None:
+    """finite.check, naming the newest checkpoint (after the save in flight) when it fails."""
+
+    def newest_checkpoint() -> str:
+        checkpoint.finish(manager)
+        saved = checkpoint.saved_steps(workdir)
+        return f"step {saved[-1]} in {checkpoint.checkpoint_dir(workdir)}" if saved else ""
+
+    finite.check(state, step, plan.steps_per_epoch, newest_checkpoint)
+
+
+def _write_metrics(config, writer, manager, checks, *, state, progress: Progress, window: Window):
+    checks(state, progress.step)
+    checkpoint.check_for_errors(manager)
+    elapsed = window.seconds()
+    scalars = window.mean()
+    scalars["images_per_sec"] = len(window) * config.data.batch_size / max(elapsed, 1e-9)
+    scalars["epoch"] = progress.epochs
+    writer.write_scalars(progress.step, scalars)
+
+
+def _save_in_epoch(manager, checks, *, state, progress: Progress) -> None:
+    if progress.next.step_in_epoch != 0:  # the end of the epoch saves anyway (forced)
+        checks(state, progress.step)
+        checkpoint.save(manager, state, progress.next)
+
+
+def _test_phase(config, eval_step, forward, mesh, workdir, writer, *, state, progress: Progress):
+    """The test phase after epoch ``progress.epoch``; writes and returns its results."""
+    results = monitor.test_phase(
+        config,
+        eval_step,
+        forward,
+        state,
+        mesh,
+        workdir=workdir,
+        epoch=progress.epoch + 1,
+        writer=writer,
+        step=progress.step,
+    )
+    writer.write_scalars(progress.step, {f"test/{k}": v for k, v in results.items()})
+    return results
+
+
+def _report_replaced(config, writer, epoch: int, step: int, replaced: int) -> None:
+    """Logs and writes how many unreadable examples an epoch skipped (data.skip_corrupt)."""
+    if not config.data.skip_corrupt:
+        return
+    if jax.process_count() > 1:
+        replaced = int(np.sum(multihost_utils.process_allgather(np.int64(replaced))))
+    if replaced:
+        logging.warning(
+            "Epoch %d: %d unreadable training examples were skipped (each replaced by the "
+            "next readable one; data.skip_corrupt=True).",
+            epoch,
+            replaced,
+        )
+    writer.write_scalars(step, {"data/skipped_examples": replaced})
 
 
 def _start_state(config: ml_collections.ConfigDict, workdir: str, method, tx, mesh):
@@ -220,168 +425,12 @@ def _start_state(config: ml_collections.ConfigDict, workdir: str, method, tx, me
     return manager, state, position, resumed
 
 
-def _first_summaries(config, workdir, writer, forward, state, mesh, resumed) -> dict[str, Any]:
-    """Writes what a run records before its first step (the parameter overview, the kNN
-    baseline); returns the summary started with that baseline."""
-    summary: dict[str, Any] = {}
-    if not resumed:
-        overview = parameter_overview.get_parameter_overview(state.params)
-        logging.info("Parameters of the online network:\n%s", overview)
-        writer.write_texts(0, {"parameters": f"```\n{overview}\n```"})
-    if config.knn.enabled:
-        baseline = _knn_baseline(config, forward, state, mesh, workdir, writer, resumed)
-        if baseline is not None:
-            summary["knn_random_init"] = baseline
-    return summary
-
-
-def _knn_baseline(config, forward, state, mesh, workdir, writer, resumed) -> dict | None:
-    """The kNN accuracy before the first step (of the random init, or of init.checkpoint's
-    weights), the figure a pre-training run must beat; kept in the workdir so that resumed
-    runs print it too."""
-    path = os.path.join(workdir, "knn_random_init.json")
-    if resumed:
-        return monitor.load_json(path)
-    baseline = monitor.knn_eval(config, forward, state, mesh)
-    monitor.save_json(path, baseline)
-    writer.write_scalars(0, {f"knn/random_init_{k}": v for k, v in baseline.items()})
-    return baseline
-
-
-def _final_knn(config, engine: _Engine, state, step: int, summary: dict[str, Any]) -> None:
-    """The kNN accuracy of the trained state, reusing the last test phase's when it measured
-    this very state."""
-    if engine.tested_at == step:
-        summary["knn"] = {k[4:]: v for k, v in engine.last_test.items() if k.startswith("knn_")}
-    else:
-        summary["knn"] = monitor.knn_eval(config, engine.forward, state, engine.mesh)
-    engine.writer.write_scalars(step, {f"knn/{k}": v for k, v in summary["knn"].items()})
-    if "knn_random_init" in summary:
-        _print_knn_comparison(config, summary)
-
-
-@dataclasses.dataclass
-class _Engine:
-    """What the train engine does at each point of the shared loop (jssl.engines.loop):
-    its batches and step, its logged metrics, its checkpoints and its test phase."""
-
-    config: ml_collections.ConfigDict
-    workdir: str
-    mesh: Any
-    manager: Any
-    writer: Any
-    steps_per_epoch: int
-    train_step: Any
-    eval_step: Any
-    forward: Any
-    sigterm: preemption.Preemption
-    tested_at: int = -1  # step of the last test phase
-    last_test: dict = dataclasses.field(default_factory=dict)  # its results
-    replaced: int = 0  # rows of this epoch standing in for unreadable examples
-
-    def hooks(self) -> engine_loop.Hooks:
-        actions = []
-        if self.config.debug.profile:
-            actions.append(periodic_actions.Profile(logdir=self.workdir, num_profile_steps=5))
-        return engine_loop.Hooks(
-            batches=self.batches,
-            step=self.step,
-            write_metrics=self.write_metrics,
-            save=self.save,
-            test=self.test,
-            end_of_epoch=self.report_replaced,
-            actions=actions,
+def _steps_per_epoch(config: ml_collections.ConfigDict) -> int:
+    steps_per_epoch = data.steps_per_epoch(config.data, jax.process_count())
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"The train split has {data.num_examples(config.data, config.data.train_split)} "
+            f"examples, fewer than one global batch (data.batch_size={config.data.batch_size}); "
+            "lower --config.data.batch_size or use more data (data.train_subset)."
         )
-
-    def check_finite(self, state) -> None:
-        bad = int(jax.device_get(state.nonfinite_step))
-        if bad >= 0:
-            raise NonFiniteLossError(
-                f"The loss or gradients (of the method or of the online probe) became "
-                f"non-finite at step {bad} (epoch {bad // self.steps_per_epoch}). Training "
-                "stopped; the parameters from before that step are kept and the checkpoints in "
-                f"{checkpoint.checkpoint_dir(self.workdir)} are intact. Try a lower "
-                "--config.optim.base_lr, warmup (--config.optim.warmup_epochs), or "
-                "--config.debug.nans=True to find the op."
-            )
-
-    def batches(self, epoch: int, start: int) -> Iterator[dict]:
-        config = self.config
-        dataset = data.build_train_dataset(
-            config.data,
-            seed=config.seed,
-            epoch=epoch,
-            start_step=start,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
-        self.replaced = 0
-        return dataset.as_numpy_iterator()
-
-    def step(self, state, host_batch: dict, step: int):
-        config = self.config
-        if "replaced" in host_batch:  # data.skip_corrupt
-            self.replaced += int(np.sum(host_batch.pop("replaced")))
-        if step == 0:
-            summaries.write_views(self.writer, host_batch["crops"], config.data.augment)
-        batch = parallel.host_batch_to_global(host_batch, self.mesh)
-        stop = stop_flags(self.mesh, self.sigterm.requested)
-        return self.train_step(state, batch, stop)
-
-    def write_metrics(self, state, progress: engine_loop.Progress, window: engine_loop.Window):
-        self.check_finite(state)
-        checkpoint.check_for_errors(self.manager)
-        elapsed = window.seconds()
-        scalars = window.mean()
-        images = len(window) * self.config.data.batch_size
-        scalars["images_per_sec"] = images / max(elapsed, 1e-9)
-        scalars["epoch"] = progress.epochs
-        self.writer.write_scalars(progress.step, scalars)
-
-    def save(self, state, position: checkpoint.DataPosition, force: bool = False) -> None:
-        self.check_finite(state)
-        checkpoint.save(self.manager, state, position, force=force)
-
-    def test(self, state, step: int, epochs: int) -> None:
-        self.last_test = monitor.test_phase(
-            self.config,
-            self.eval_step,
-            self.forward,
-            state,
-            self.mesh,
-            workdir=self.workdir,
-            epoch=epochs,
-            writer=self.writer,
-            step=step,
-        )
-        self.writer.write_scalars(step, {f"test/{k}": v for k, v in self.last_test.items()})
-        self.tested_at = step
-
-    def report_replaced(self, epoch: int, step: int) -> None:
-        if not self.config.data.skip_corrupt:
-            return
-        replaced = self.replaced
-        if jax.process_count() > 1:
-            replaced = int(np.sum(multihost_utils.process_allgather(np.int64(replaced))))
-        if replaced:
-            logging.warning(
-                "Epoch %d: %d unreadable training examples were skipped (each replaced by the "
-                "next readable one; data.skip_corrupt=True).",
-                epoch,
-                replaced,
-            )
-        self.writer.write_scalars(step, {"data/skipped_examples": replaced})
-
-
-def _print_knn_comparison(config, summary) -> None:
-    learned, rand = summary["knn"], summary["knn_random_init"]
-    # Started from weights, the baseline (measured before the first step) is those weights.
-    start = "init.checkpoint" if config.init.checkpoint else "random init"
-    line = (
-        f"kNN top-1 on {config.knn.test_split} ({config.knn.layer}, k={config.knn.k}): "
-        f"learned {learned['top1']:.1f}% vs {start} {rand['top1']:.1f}%"
-    )
-    logging.info(line)
-    if jax.process_index() == 0:
-        print(line, flush=True)
-    summary["knn_comparison"] = line
+    return steps_per_epoch

@@ -1,0 +1,73 @@
+"""Stop requests for long runs (SIGTERM, a first Ctrl-C): save once, on every process, at the
+same step, then exit with a status that says "stopped, rerun to resume".
+
+A scheduler delivers SIGTERM to the processes of a multi-host run at different moments. If
+each process acted on its own flag, one could enter a checkpoint save (a collective) while
+another enters the next train step (another collective), and both would hang. So the flag
+only ever travels through the train step: each process feeds its own flag into the step
+(``jssl.training.step.stop_flags``), the step returns its maximum over all devices as
+``metrics["stop"]``, and the loop acts on that agreed value alone. The loop reads the flag
+of the step before the one it just dispatched, so the check costs no extra host sync.
+
+Ctrl-C (SIGINT) is the same request made by hand: the first one stops the run as SIGTERM
+does, with a checkpoint; a second one means "stop now" and raises KeyboardInterrupt at once
+(the step being saved is then lost; the checkpoints before it stay).
+"""
+
+from __future__ import annotations
+
+import signal
+
+from absl import logging
+
+# sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry". The launcher
+# exits with it when a run stopped on SIGTERM (or a first Ctrl-C) after saving its
+# checkpoint; rerunning the same command resumes. 0 still means "finished", anything else a
+# failure.
+PREEMPTED_EXIT_CODE = 75
+
+_NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C (SIGINT)"}
+
+
+class Preemption:
+    """Turns SIGTERM and a first Ctrl-C into a flag; ``requested`` is this process's view,
+    not the agreed one, and ``signal_name`` says which signal asked ("" before any)."""
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name = ""
+        self._interrupts = 0  # Ctrl-Cs so far
+        self._previous: dict[int, object] = {}
+
+    def _stop_after_saving(self, signum, frame) -> None:
+        again = ""
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt(
+                    "Ctrl-C pressed twice: stopped at once, without saving the current step. "
+                    "The checkpoints saved before stay; rerun the same command to resume."
+                )
+            again = " Press Ctrl-C again to stop at once, without saving."
+        logging.warning(
+            "%s received: stopping at the step all processes agree on, saving a checkpoint "
+            "and exiting with status %d; rerun the same command to resume.%s",
+            _NAMES[signum],
+            PREEMPTED_EXIT_CODE,
+            again,
+        )
+        self.requested = True
+        self.signal_name = self.signal_name or _NAMES[signum]
+
+    def __enter__(self) -> Preemption:
+        for signum in _NAMES:
+            try:
+                self._previous[signum] = signal.signal(signum, self._stop_after_saving)
+            except ValueError:  # not the main thread (e.g. called from a test thread)
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
