@@ -4,7 +4,7 @@ eval_resnet_8gpu_transfer_in1k_linear.yaml``).
 
 The trunk in ``init.checkpoint`` is frozen in eval mode (running BN statistics, no gradients);
 its taps in ``config.linear.layers`` are pooled (``config.linear.pool``, VISSL's
-``LINEAR_EVAL_FEAT_POOL_OPS_MAP``) and each feeds its own BN -> linear head (jssl.linear).
+``LINEAR_EVAL_FEAT_POOL_OPS_MAP``) and each feeds its own BN -> linear head (evaluation.linear).
 All heads train in one run with one optax optimizer (``config.optim``), each is tested on the
 test split, and ``workdir/results.json`` holds ``{"<layer>": {"top1": .., "top5": ..}, ...}``.
 
@@ -14,8 +14,8 @@ Those features are of the evaluation view (resize + centre crop), so this fast m
 without VISSL's random crops and flips and scores differently: on the demo, res4 reached
 96.3% top-1 from cached features and 86.1% with crops (6 epochs each).
 
-The loop is the train engine's (jssl.engines.loop): one jitted, state-donating step over the
-mesh, a checkpoint of the (small) head state at the end of every epoch and every
+The loop (jssl.engines.loop) is the train engine's in miniature: one jitted, state-donating
+step over the mesh, a checkpoint of the (small) head state at the end of every epoch and every
 ``checkpoint.every_steps``, and a restart with the same workdir resumes where it left off.
 """
 
@@ -32,20 +32,75 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from jssl import checkpoint, data, linear, optim, parallel, pooling
-from jssl.engines import evaluate
+from jssl import data, engines, models, optim, parallel
+from jssl.checkpoints import manager as checkpoint
 from jssl.engines import loop as engine_loop
+from jssl.evaluation import linear, pooling
+from jssl.evaluation.feature_store import load_features
+from jssl.evaluation.frozen import load_frozen_model
+from jssl.evaluation.results import make_writer, write_results
+from jssl.training import probe
 
 PyTree = Any
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Trains the heads and returns ``{"results", "step", "state", "trunk_variables"}``."""
+def validate(config: ml_collections.ConfigDict) -> None:
+    """The linear_eval engine's start-up checks, run before anything is written to the
+    workdir; each failure names the field and how to fix it."""
     lcfg = config.linear
     layers = tuple(lcfg.layers)
     if not layers:
-        raise ValueError("config.linear.layers is empty: name the trunk taps to evaluate.")
+        raise ValueError(
+            "linear.layers is empty: name the trunk taps to evaluate, e.g. "
+            '--config.linear.layers=\'("res5", "avgpool")\'.'
+        )
+    engines.check_positive(config, "linear.num_classes", "data.batch_size", "num_epochs")
+    engines.check_positive(config, "log_every_steps")
     parallel.check_batch_divisible(config.data.batch_size)
+    checkpoint.check_config(config.checkpoint)
+    if lcfg.cached_features:
+        for split in (config.data.train_split, config.data.test_split):
+            labels = load_features(lcfg.cached_features, split, layers[:1]).labels
+            found = int(labels.max()) + 1 if len(labels) else 0
+            _check_classes(config, f"The cached features of split {split!r} have", labels, found)
+        return
+    if not config.init.checkpoint:
+        raise ValueError(
+            "engine='linear_eval' evaluates a trained model: set --config.init.checkpoint to a "
+            "jssl workdir (or a checkpoint, or a VISSL .torch / torchvision .pth file), or "
+            "--config.linear.cached_features to an extract_features workdir's features."
+        )
+    models.check_input_size(config.model, config.data.image_size, "data.image_size")
+    pooling.layer_pools(lcfg.pool, layers)
+    for split in (config.data.train_split, config.data.test_split):
+        # The dataset's metadata, as the online probe's check (jssl.training.probe).
+        found = probe.dataset_num_classes(config.data, split)
+        if found is not None:
+            _check_classes(config, f"The split {split!r} has", None, found)
+
+
+def _check_classes(
+    config: ml_collections.ConfigDict, subject: str, labels: np.ndarray | None, found: int
+) -> None:
+    """A label outside [0, linear.num_classes) makes the heads' loss NaN from the first step."""
+    num_classes = config.linear.num_classes
+    if labels is not None and len(labels) and labels.min() < 0:
+        raise ValueError(
+            f"{subject} negative labels (down to {labels.min()}): the heads need labels in "
+            f"[0, linear.num_classes); re-extract the features with the right labels."
+        )
+    if found > num_classes:
+        raise ValueError(
+            f"{subject} {found} classes but linear.num_classes={num_classes}: every label "
+            f"needs an output of the heads. Set --config.linear.num_classes={found}."
+        )
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains the heads and returns ``{"results", "step", "state", "trunk_variables"}``."""
+    validate(config)
+    lcfg = config.linear
+    layers = tuple(lcfg.layers)
     mesh = parallel.make_mesh()
     inputs = _cached_inputs(config) if lcfg.cached_features else _trunk_inputs(config, mesh)
     logging.info(
@@ -72,7 +127,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     eval_step = linear.make_eval_step(heads, mesh, inputs.features_fn)
     trunk = inputs.trunk_variables
     test = functools.partial(_test, config, eval_step, trunk, inputs, mesh)
-    writer = evaluate.make_writer(workdir)
+    writer = make_writer(workdir)
 
     def train_batch(state, host_batch: dict, steps_done: int):
         return train_step(state, trunk, parallel.host_batch_to_global(host_batch, mesh))
@@ -106,7 +161,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         )
     writer.write_scalars(step, _test_scalars(results))
     writer.flush()
-    evaluate.write_results(workdir, results)
+    write_results(workdir, results)
     return {"results": results, "step": step, "state": state, "trunk_variables": trunk}
 
 
@@ -166,7 +221,7 @@ class _Inputs:
 def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
     lcfg = config.linear
     layers = tuple(lcfg.layers)
-    model, trunk = evaluate.load_frozen_model(config, mesh, layers)
+    model, trunk = load_frozen_model(config, mesh, layers)
     pools = pooling.layer_pools(lcfg.pool, layers)
 
     def features_fn(trunk_variables: PyTree, images: jax.Array) -> dict[str, jax.Array]:
@@ -215,18 +270,12 @@ def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
 def _cached_inputs(config: ml_collections.ConfigDict) -> _Inputs:
     lcfg = config.linear
     layers = tuple(lcfg.layers)
-    train_set = evaluate.load_features(lcfg.cached_features, config.data.train_split, layers)
-    test_set = evaluate.load_features(lcfg.cached_features, config.data.test_split, layers)
+    train_set = load_features(lcfg.cached_features, config.data.train_split, layers)
+    test_set = load_features(lcfg.cached_features, config.data.test_split, layers)
     train_feats, train_labels = train_set.features, train_set.labels
     if config.data.train_subset > 0:  # VISSL DATA_LIMIT: the first N examples
         train_feats = {k: v[: config.data.train_subset] for k, v in train_feats.items()}
         train_labels = train_labels[: config.data.train_subset]
-    for name, labels in (("train", train_labels), ("test", test_set.labels)):
-        if len(labels) and (labels.min() < 0 or labels.max() >= lcfg.num_classes):
-            raise ValueError(
-                f"The cached {name} targets span [{labels.min()}, {labels.max()}], outside "
-                f"[0, config.linear.num_classes={lcfg.num_classes}); set num_classes."
-            )
     batch_size = config.data.batch_size
     if len(train_labels) < batch_size:
         raise ValueError(

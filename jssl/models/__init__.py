@@ -25,6 +25,7 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax.numpy as jnp
 import ml_collections
@@ -42,7 +43,9 @@ __all__ = [
     "VisionTransformer",
     "build_model",
     "build_trunk",
+    "check_input_size",
     "default_config",
+    "min_input_size",
     "trunk_feature_dim",
 ]
 
@@ -50,23 +53,27 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """ResNet-50 with SimCLR's 2048-2048-128 projection head."""
-    return ml_collections.ConfigDict(
-        {
-            "trunk": "resnet50",
-            "width_multiplier": 1.0,
-            "cifar_stem": False,
-            "zero_init_residual": False,
-            "head_dims": (2048, 2048, 128),
-            "head_bn": False,
-            "head_last_bn": False,
-            "dtype": "float32",
-            "sync_bn": True,
-            "patch_size": 16,
-            "image_size": 224,
-            "drop_path_rate": 0.0,
-        }
-    )
+    """The model fields of every jssl config (configs/base.py starts from these): ResNet-50
+    with SimCLR's 2048-2048-128 projection head, float32, per-device batch norm."""
+    m = ml_collections.ConfigDict()
+    m.trunk = "resnet50"  # resnet18/34/50/101/152/200, vit_tiny/small/base (valid_trunks())
+    m.width_multiplier = 1.0
+    m.cifar_stem = False  # 3x3 stride-1 stem without max-pool, for 32 px images
+    m.zero_init_residual = False
+    m.head_dims = (2048, 2048, 128)  # (trunk features, hidden..., embedding)
+    m.head_bn = False
+    m.head_bias = True  # biases on the head's Dense layers (VISSL mlp use_bias)
+    m.head_last_bn = False  # affine-free BN on the head's output (MoCo v3 projector)
+    m.sync_bn = False  # True: batch statistics over the global batch (VISSL SYNC_BN)
+    m.dtype = "float32"  # "bfloat16": bf16 compute, float32 params/optimizer/BN/loss
+    # ViT trunks: patch size, the resolution the position embeddings are laid out for (other
+    # crop sizes resample them), and the stochastic depth of the last block.
+    m.patch_size = 16
+    m.image_size = 224
+    m.drop_path_rate = 0.0
+    m.pos_embed_init = "learned"  # or "sincos": MoCo v3's fixed 2-D sin-cos values
+    m.vit_depth = 0  # 0: the size's 12 blocks; fewer for tests and CPU demos
+    return m
 
 
 def valid_trunks() -> list[str]:
@@ -97,6 +104,51 @@ def trunk_feature_dim(model_config: ml_collections.ConfigDict) -> int:
     if is_vit(model_config):
         return VIT_SIZES[model_config.trunk][0]
     return feature_dim(_depth(model_config.trunk), model_config.width_multiplier)
+
+
+def min_input_size(model_config: ml_collections.ConfigDict) -> int:
+    """The smallest image side the trunk can use. A ResNet downsamples by 32 (its 7x7 stride-2
+    stem, max-pool and three strided stages; 8 with ``cifar_stem``): below that its last
+    stage's feature map covers less than one pixel of the input, so every later stride-2 layer
+    reads padding. A ViT needs at least one patch."""
+    if is_vit(model_config):
+        return int(model_config.get("patch_size", 16))
+    _depth(model_config.trunk)  # an unknown trunk fails here, naming the valid ones
+    return 8 if model_config.cifar_stem else 32
+
+
+def check_input_size(
+    model_config: ml_collections.ConfigDict, size: int, field: str, value: Any = None
+) -> None:
+    """Raises ValueError naming ``field`` (the config field that sets ``size``, e.g.
+    ``data.image_size``; its whole ``value`` when that is a tuple such as
+    ``data.augment.crop_sizes``) when the trunk cannot use images of ``size`` x ``size``
+    pixels; the message says the smallest size that works."""
+    smallest = min_input_size(model_config)
+    trunk = model_config.trunk
+    setting = f"{field}={size if value is None else value}"
+    if is_vit(model_config):
+        if size < smallest or size % smallest:
+            nearest = smallest * max(1, round(size / smallest))
+            raise ValueError(
+                f"{setting}: {size} px crops do not fit {trunk}, which cuts its input into "
+                f"whole {smallest} px patches (model.patch_size): use a multiple of {smallest} "
+                f"px, at least {smallest} (the nearest to {size} is {nearest}). Set "
+                f"--config.{field}."
+            )
+        return
+    if size < smallest:
+        stem = "model.cifar_stem=True" if model_config.cifar_stem else "the 7x7 stem"
+        hint = (
+            ""
+            if model_config.cifar_stem
+            else ", or --config.model.cifar_stem=True for small images (it downsamples by 8)"
+        )
+        raise ValueError(
+            f"{setting}: {size} px crops are too small for {trunk} with {stem}: it downsamples "
+            f"by {smallest}, so its last stage would see less than one pixel of the image. "
+            f"Use crops of at least {smallest} px (--config.{field}){hint}."
+        )
 
 
 def build_trunk(
