@@ -1,15 +1,14 @@
 """Any jssl method's step without jssl's machinery around the method, to measure that machinery.
 
-``train_step.py --compare_bare`` times it next to ``jssl.train_step.make_train_step`` for every
+``train_step.py --compare_bare`` times it next to ``jssl.training.step.make_train_step`` for every
 method: the same ``Method`` (its loss, collectives and ``after_update``), the same optimizer and
 state, one ``shard_map`` over the same mesh (the methods' losses use named collectives, so the
 bare step keeps the map), one ``jax.jit`` with the state donated. Left out: the ``pmean`` of the
 gradients, loss and metrics, the mean of the batch statistics over devices, the non-finite guard
 (its check and its ``cond``), the stop flag's ``pmax``, the learning-rate metric and the online
 probe. On one device the two compute the same update; the difference is what jssl adds to the
-compile time, the step time and the memory of each method (issue 11's compile goal asks for
-every method's step within 1.2x of a plain one; benchmarks/plain_step.py is MoCo's written
-directly against flax/optax).
+compile time, the step time and the memory of each method (benchmarks/plain_step.py is MoCo's
+step written directly against flax/optax, without jssl's ``Method``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ that division fuses into the batch norm and ReLU that produce the input.
 lax's weight gradient into: copies of the input as (C, H, W, N) and of the output gradient as
 (H, W, N, O), then one convolution of the first by the second (the gradient is its kernel, the
 output 3x3 pixels); what the copies cost next to what the convolution itself costs.
+
+Each run prints its table and writes it to benchmarks/results/conv_layers.json (``--results``,
+``--no_results``) with the command and the machine (benchmarks/results.py).
 """
 
 import argparse
@@ -29,6 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import results  # benchmarks/, beside this script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,6 +165,7 @@ def main() -> None:
     parser.add_argument("--torch_nchw", action="store_true", help="PyTorch in NCHW")
     parser.add_argument("--split_dw", action="store_true", help="time lax's dw in its parts")
     parser.add_argument("--_torch_child", action="store_true", help=argparse.SUPPRESS)
+    results.add_flags(parser)
     args = parser.parse_args()
     if args._torch_child:
         print(json.dumps(time_torch(args.batch, args.size, args.repeats, not args.torch_nchw)))
@@ -175,18 +181,28 @@ def main() -> None:
     print(f"batch {args.batch}, ms per call, forward / dx / dw")
     print(f"{'conv':<18}" + "".join(f"{n:>24}" for n in names) + "   time jssl/torch")
     totals = {n: 0.0 for n in names}
+    table = []
     for i, (h, cin, cout, s) in enumerate(shapes(args.size)):
         cells = []
+        row = {"conv": f"{h} px {cin}->{cout} s{s}"}
         for n in names:
             t = rows[n][i]
             totals[n] += sum(v for v in t if v == v)
             cells.append(" / ".join("-" if v != v else f"{v:.1f}" for v in t))
+            row[f"{n} ms fwd / dx / dw"] = cells[-1]
+            row[f"{n} ms"] = results.rounded(sum(v for v in t if v == v))
+        table.append(row)
         line = f"{h:>3} px {cin:>3}->{cout:<3} s{s}  " + "".join(f"{c:>24}" for c in cells)
         if "torch" in rows:
             jssl, torch = (sum(v for v in rows[n][i] if v == v) for n in ("jssl", "torch"))
             line += f"   {jssl / torch:.2f}"
         print(line)
     print("total ms: " + ", ".join(f"{n} {t:.1f}" for n, t in totals.items()))
+    headline = [
+        f"jssl / {n}, the convolutions' total ms: {totals['jssl'] / totals[n]:.2f}"
+        for n in names
+        if n != "jssl"
+    ]
     if args.split_dw:
         print("lax's dw of each stride-1 convolution, ms: operand copies + convolution core")
         for (h, cin, cout, _), (copies, core) in time_dw_parts(args.batch, args.size, args.repeats):
@@ -195,6 +211,14 @@ def main() -> None:
                 j = shapes(args.size).index((h, cin, cout, 1))
                 line += f"   (PyTorch's whole dw {rows['torch'][j][2]:.1f})"
             print(line)
+    results.record(
+        "conv_layers",
+        table,
+        args=args,
+        measures=results.summary(__doc__),
+        headline=headline,
+        notes=f"batch {args.batch}, median of {args.repeats} calls; ms per call.",
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Throughput of the SSL training input pipeline, two views or multi-crop (a script, not a test).
+"""Throughput of the SSL training input pipeline, two views or multi-crop, on this host.
 
     python benchmarks/input_pipeline.py --source=demo --image_size=32 --batch_size=256
     python benchmarks/input_pipeline.py --source=folder --image_size=224 --batch_size=128
@@ -16,6 +16,10 @@ temporary directory, or reads --data_dir if given. Prints examples/s and crops/s
 the crop + flip only of data.augment.on_device=True (its host cost), prints their ratio, then
 times the jitted on-device augmentation alone (jssl.data.device_augment) on a batch of uint8
 crops of the same shapes on this process's first JAX device: what it adds to the train step.
+
+Each run prints its figures and writes them with the command and the machine to
+benchmarks/results/input_pipeline-<source>-<size>px[-<mode>].json (``--results``,
+``--no_results``); benchmarks/report.py makes docs/benchmarks.md from those files.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+import results  # noqa: E402  benchmarks/, beside this script
 from PIL import Image  # noqa: E402
 
 import jssl.data as data  # noqa: E402
@@ -50,9 +55,9 @@ def write_synthetic_folder(root: str, num_images: int, shape: tuple[int, int]) -
 
 
 def images_per_second(config, steps: int, warmup: int) -> tuple[float, float]:
-    """Examples per wall second and per CPU second (all of tf.data's threads, user + system:
-    the issue's "per core", robust to a shared machine) of this process's training pipeline
-    over `steps` batches after `warmup`."""
+    """Examples per wall second and per CPU second (all of tf.data's threads, user + system,
+    which other jobs on a shared machine move less) of this process's training pipeline over
+    `steps` batches after `warmup`."""
     batches, epoch, start, cpu = 0, 0, None, None
     while batches < warmup + steps:
         for _ in data.build_train_dataset(config, seed=0, epoch=epoch).as_numpy_iterator():
@@ -66,7 +71,7 @@ def images_per_second(config, steps: int, warmup: int) -> tuple[float, float]:
     return examples / (time.perf_counter() - start), examples / (time.process_time() - cpu)
 
 
-def device_augment_cost(config, batch_size: int, steps: int) -> None:
+def device_augment_cost(config, batch_size: int, steps: int) -> dict:
     """Time of the jitted on-device augmentation alone on a host-shaped batch of uint8 crops."""
     import jax
 
@@ -97,6 +102,13 @@ def device_augment_cost(config, batch_size: int, steps: int) -> None:
         f"{cpu * 1e3:.1f} ms CPU time/batch, {batch_size / wall:.0f} images/s "
         f"(compile {compile_cpu:.1f} s CPU)"
     )
+    return {
+        "path": f"on-device augmentation alone ({jax.devices()[0].device_kind})",
+        "images/s": results.rounded(batch_size / wall),
+        "ms/batch": results.rounded(wall * 1e3),
+        "CPU ms/batch": results.rounded(cpu * 1e3),
+        "compile CPU s": results.rounded(compile_cpu),
+    }
 
 
 def main() -> None:
@@ -122,6 +134,7 @@ def main() -> None:
         help="both host paths in one run, their ratio, and the on-device augmentation's time",
     )
     parser.add_argument("--device_steps", type=int, default=5, help="timed augmentation calls")
+    results.add_flags(parser)
     args = parser.parse_args()
 
     config = data.default_config()
@@ -155,7 +168,7 @@ def main() -> None:
         f"steps/epoch={data.steps_per_epoch(config)} cpus={os.cpu_count()}"
     )
     paths = [False, True] if args.compare_on_device else [args.on_device]
-    rates = {}
+    rates, rows, headline = {}, [], []
     for on_device in paths:
         config.augment.on_device = on_device
         wall, per_cpu = images_per_second(config, args.steps, args.warmup)
@@ -165,15 +178,37 @@ def main() -> None:
             f"{label}: {what}: {wall:.0f} images/s ({wall * sum(num_crops):.0f} crops/s), "
             f"{per_cpu:.1f} images per CPU second"
         )
+        rows.append(
+            {
+                "path": what,
+                "images/s": results.rounded(wall),
+                "crops/s": results.rounded(wall * sum(num_crops)),
+                "images per CPU s": results.rounded(per_cpu),
+            }
+        )
     if args.compare_on_device:
-        print(
-            "on_device=True / full host augmentation: "
+        headline = [
+            "host pipeline, crop + flip only (on_device=True) / full host augmentation: "
             f"{rates[True][0] / rates[False][0]:.2f}x images/s, "
             f"{rates[True][1] / rates[False][1]:.2f}x images per CPU second"
-        )
-        device_augment_cost(config, args.batch_size, args.device_steps)
+        ]
+        print(headline[0])
+        rows.append(device_augment_cost(config, args.batch_size, args.device_steps))
     if tmp is not None:
         tmp.cleanup()
+    name = f"input_pipeline-{args.source}-{args.image_size}px"
+    if args.num_crops != "2":
+        name += "-crops" + args.num_crops.replace(",", "+")
+    if args.compare_on_device or args.on_device:
+        name += "-compare_on_device" if args.compare_on_device else "-on_device"
+    results.record(
+        name,
+        rows,
+        args=args,
+        measures=results.summary(__doc__),
+        headline=headline,
+        notes=f"{label}; images per CPU second counts all of tf.data's threads.",
+    )
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@
     python benchmarks/knn.py --bank=1281167 --dim=2048 --queries=50000   # ImageNet-sized
     python benchmarks/knn.py --sharded      # the device-sharded bank of the monitor and run_knn
 
-Default: ``jssl.knn.knn_scores``, the host-side path of cached features (the bank streamed to
-the device in chunks). ``--sharded``: ``jssl.knn_sharded``, the bank built batch by batch on
+Default: ``evaluation.knn.knn_scores``, the host-side path of cached features (the bank streamed to
+the device in chunks). ``--sharded``: ``evaluation.knn_sharded``, the bank built batch by batch on
 the devices and each query batch reduced across them, as the kNN monitor and the on-the-fly
 knn engine run it; the figure covers the top-k search and the vote, not building the bank.
 
 The first call compiles; the figure is the best of ``--repeats`` timed calls after it,
 measured end to end (host -> device transfer of the bank chunks, the scores back on host).
+Each run prints its figure and writes it to benchmarks/results/knn[-sharded].json (``--results``,
+``--no_results``) with the command and the machine (benchmarks/results.py).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import sys
 import time
 
 import numpy as np
+import results  # benchmarks/, beside this script
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from jssl import knn, knn_sharded, parallel  # noqa: E402
+from jssl import parallel  # noqa: E402
+from jssl.evaluation import knn, knn_sharded  # noqa: E402
 
 
 def main() -> None:
@@ -42,6 +46,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sharded", action="store_true", help="the device-sharded bank")
     parser.add_argument("--batch", type=int, default=256, help="--sharded: eval batch size")
+    results.add_flags(parser)
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
@@ -81,6 +86,20 @@ def main() -> None:
         + f"first call {first:.2f}s (with compile), best {best:.3f}s, "
         f"{args.queries / best:,.0f} queries/s"
     )
+    row = {
+        "path": "sharded bank" if args.sharded else "host bank, chunked",
+        "bank": f"{args.bank} x {args.dim}",
+        "queries": args.queries,
+        "k": args.k,
+        "classes": args.classes,
+        "first call s": results.rounded(first),
+        "best s": results.rounded(best),
+        "queries/s": results.rounded(args.queries / best),
+    }
+    if not args.sharded:
+        row["chunks (query/bank)"] = f"{args.query_chunk}/{args.bank_chunk}"
+    name = "knn-sharded" if args.sharded else "knn"
+    results.record(name, [row], args=args, measures=results.summary(__doc__))
 
 
 def _sharded_run(args, bank, labels, queries):

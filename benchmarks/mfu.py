@@ -1,7 +1,7 @@
 """Arithmetic rate and model FLOPs utilisation (MFU) of a step, for train_step.py.
 
 One device's floating-point operations in a step as XLA counts them, and one chip's peak, so
-that ``TFLOP/s / peak`` is the step's MFU (issue 11's GPU figure: MoCo R50@224 bf16 per GPU).
+that ``TFLOP/s / peak`` is the step's MFU (e.g. MoCo R50@224 bf16 per GPU).
 """
 
 from __future__ import annotations

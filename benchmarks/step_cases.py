@@ -13,7 +13,7 @@ CASES = {
     "vit_t_32": dict(trunk="vit_tiny", patch=4, image_size=32, small=16, batch=64, head=192),
     "vit_s16_224": dict(trunk="vit_small", patch=16, image_size=224, small=96, batch=32, head=384),
 }
-# Issue 11's comparison with PyTorch: (case, dtype) and MoCo's queue on both sides.
+# --compare_torch's default cases, (case, dtype), and MoCo's queue on both sides.
 TORCH_CASES = (
     ("r18_32_b64", "float32"),
     ("r18_32", "float32"),

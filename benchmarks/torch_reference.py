@@ -12,10 +12,9 @@ follows the query encoder by EMA, and the optimizer is SGD with Nesterov momentu
 weight decay 1e-4 on every parameter (VISSL's MoCo recipe, regularize_bn True), as jssl's
 configs/moco.py. bfloat16 runs the forward passes under ``torch.autocast`` (bf16 convolutions
 and matmuls, float32 parameters, optimizer state and loss), PyTorch's mixed-precision path on
-CPU. Activations are channels-last (NHWC, as jssl's) unless ``channels_last=False`` asks for
-PyTorch's default NCHW: on the 2-core CI-class CPU channels-last ran the same step at 1.00-1.05x
-NCHW's pairs/s for ResNet-18 at 32 px, batch 64, and 1.09-1.10x for ResNet-50 at 96 px (float32
-and bfloat16, 2 rounds each), so comparing against it is the stricter test.
+CPU. Activations are channels-last (NHWC, as jssl's, and oneDNN's faster layout on CPU) unless
+``channels_last=False`` asks for PyTorch's default NCHW (``train_step.py --compare_torch
+--torch_layout=nchw`` times that one).
 
 Importing this module imports torch, a development dependency only.
 """
