@@ -14,7 +14,7 @@ scale_loss = 0.024, redundancy_reduction scale_loss * lambda_ = 0.024 * 0.0051.
 
 import ml_collections
 
-from configs import base
+from configs import base, recipes
 
 SCALE_LOSS = 0.024  # LOSS.barlow_twins_loss.scale_loss
 LAMBDA = 0.0051  # LOSS.barlow_twins_loss.lambda_
@@ -43,12 +43,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # 128 (scale 0.08-1, torchvision's default), flip 0.5, ImgPilColorDistortion strength 0.5
     # (jitter p 0.8, grayscale p 0.2), Gaussian blur p [1.0, 0.1] radius 0.1-2.0, solarize
     # p [0.0, 0.2]: per-copy probabilities, so two crop groups of one crop each.
-    c.data.source = "tfds"
-    c.data.name = "imagenet2012"
-    c.data.test_split = "validation"
+    recipes.imagenet_data(c)
     c.data.batch_size = 2048
     c.data.image_size = 128
-    base.byol_views(c)
+    recipes.byol_views(c)
 
     # OPTIMIZER sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8), weight_decay
     # 1.5e-6, momentum 0.9, nesterov False, regularize_bn/bias False, num_epochs 1000; lr
@@ -86,7 +84,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
-            base.tiny(c)
+            recipes.tiny(c)
             c.model.head_dims = (64, 32, 32)
     else:
         raise ValueError(
@@ -98,19 +96,11 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
 def _demo(c: ml_collections.ConfigDict) -> None:
     """The demo data and network every method's demo uses; Barlow Twins' loss; solo-learn's
-    CIFAR LARS (``base.demo_lars``, scripts/pretrain/cifar/barlow.yaml: lr 0.3 per 256,
-    weight decay 1e-4).
-
-    Measured on the demo (3 epochs, seed 0, kNN top-1 of learned vs random-init features,
-    random 62.9%): VISSL's weights (0.024, 1.224e-4) with plain SGD barely moved at demo
-    learning rates (0.5 at batch 128: 43.5%, the cross-correlation's diagonal only reached
-    0.27); without scale_loss (weights 1 and 0.0051) and a 512-d output the diagonal stalled
-    too (0.21 after 80 steps at 0.15): with N = 128 images the correlation matrix has rank
-    < 128, so a 512-d output cannot be decorrelated. A 64-d output with SGD at 0.15: 64.6%
-    (diagonal 0.55 at the end). The same with this LARS: 80.2% (diagonal 0.63 at step 100;
-    501 s on 2 cores shared with the test suite and another run).
+    CIFAR LARS (``recipes.demo_lars``, scripts/pretrain/cifar/barlow.yaml: lr 0.3 per 256,
+    weight decay 1e-4). The output is 64-d, below the batch of 128: the cross-correlation of N
+    images has rank < N, so a wider output cannot be decorrelated. Figures: docs/methods.md.
     """
-    base.demo_data_and_model(c)
+    recipes.demo_data_and_model(c)
     c.model.dtype = "float32"
     c.num_epochs = 3
     # Output width below the batch (see above); hidden layers wider, as in the recipe.
@@ -120,5 +110,5 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     # terms hardly matters), lambda_ 0.0051.
     c.loss.weights.invariance = 1.0
     c.loss.weights.redundancy_reduction = LAMBDA
-    base.demo_two_views(c)
-    base.demo_lars(c, base_lr=0.3, weight_decay=1e-4)
+    recipes.demo_two_views(c)
+    recipes.demo_lars(c, base_lr=0.3, weight_decay=1e-4)

@@ -20,7 +20,7 @@ recipe), "test" and "test_vit" (tiny).
 
 import ml_collections
 
-from configs import base
+from configs import base, recipes
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
@@ -58,9 +58,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # (0.14, 1) (README command), local_crops_number 8 at 96 px, scale (0.05, 0.14); flip 0.5,
     # colour jitter p 0.8 (0.4, 0.4, 0.2, 0.1), grayscale 0.2; blur (0.1-2.0) p 1.0 on the first
     # global crop, 0.1 on the second, 0.5 on local crops; solarisation p 0.2 on the second.
-    c.data.source = "tfds"
-    c.data.name = "imagenet2012"
-    c.data.test_split = "validation"
+    recipes.imagenet_data(c)
     c.data.batch_size = 512
     c.data.image_size = 224
     a = c.data.augment
@@ -110,7 +108,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         _vit_small(c)
     elif preset == "test_vit":
         _demo(c)
-        base.tiny(c)
+        recipes.tiny(c)
         _vit_small(c)
         c.data.batch_size = 16
         c.data.augment.num_crops = (1, 1, 2)
@@ -133,7 +131,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
-            base.tiny(c)
+            recipes.tiny(c)
             c.model.head_dims = ()
             a = c.data.augment  # multi-crop, to test the local crops' path
             a.num_crops = (1, 1, 2)
@@ -246,64 +244,17 @@ def _vissl_resnet(c: ml_collections.ConfigDict) -> None:
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:
-    """The demo data and network every method's demo uses; the two global crops at 32 px,
-    a small head with BN (as solo-learn's DINOHead can), a sharp teacher (temperature 0.02)
-    that follows the student within a few hundred steps (momentum 0.99 -> 1), and LARS as
-    the other non-contrastive demos (``base.demo_lars``; solo-learn's CIFAR DINO,
-    scripts/pretrain/cifar/dino.yaml: LARS eta 0.02 without biases and norms, weight decay
-    1e-6; here lr 0.6 per 256 instead of its 0.3, for a run of a few hundred steps).
-
-    Deliberate difference from DINO's multi-crop: the two global crops only, so that the demo
-    runs in under 5 minutes (measured 2026-11-25, seed 0, kNN after every epoch, random init
-    62.9%): 51.7%, 61.5%, 72.0%, **71.1%** after epochs 1-4; the same with weight decay 1e-4:
-    40.3%, 66.1%, 69.4%, 68.6%. From a fresh clone of 9d59aef: **75.0%** in **4 min 19 s** wall
-    (401 s user + 76 s sys; before that commit 5 min 45 s, with stalls of 19-60 s at epoch ends
-    from tf.data's autotuning thread, see jssl.data.pipeline._options); in 3 epochs 66.7%.
-    Tried in this session, 3 or 4 epochs, none better than this preset: teacher momentum held
-    at 0.99 (3 epochs) drifted to a uniform teacher, 56.8%; 28 px crops (4 epochs) the same,
-    38.1%; teacher temperature 0.01 (3 epochs) kept the teacher sharp but used fewer outputs
-    (mean entropy 3.0 of 5.5), 54.7%; 2 x 24 px + 2 x 16 px crops (4 epochs) 27.9% after
-    epoch 2 (stopped). With two 16 px local crops as well (the earlier preset) the
-    run learned more but took 8 min 23 s from a fresh clone: **80.1%** (632 s user + 88 s
-    sys), ``--config.data.augment.num_crops='(1, 1, 2)' --config.data.augment.crop_sizes='(32,
-    32, 16)' --config.data.augment.crop_scale='((0.3, 1.0), (0.3, 1.0), (0.2, 0.5))'
-    --config.data.augment.solarize_prob='(0.0, 0.2, 0.0)'``.
-
-    Measured while tuning (seed 0, 2x32 + 2x16 px crops, out_dim 256, hidden 256, bottleneck
-    64, BN in the head, teacher temperature 0.02, last layer frozen half an epoch; kNN top-1
-    random init 62.9%; wall times on 2 cores shared with 3-5 other sessions, CPU time user + sys):
-    - this preset (4 epochs) with a kNN test every epoch: 62.3% after epoch 1, 74.2% after
-      epoch 2, **80.0%** after epoch 3 (stopped there for time: 736 CPU-s for 196 steps and 4
-      kNN passes, 30 min wall at a load of 8-11; the whole run is about 900 CPU-s, some 7.5
-      min alone on 2 cores, over the other demos' 5). The loss falls from 5.6 (log 256 =
-      5.5) to 3.7 and the online probe's train accuracy climbs from 12% to 40%; the teacher's
-      entropy rises from 1.2 to 3.1 while the student's falls from 4.8 to 3.7, and the
-      teacher's mean distribution keeps an entropy of 4.1 (no collapse either way);
-    - the same in 3 epochs (the faster cosine of the learning rate and momentum): the same
-      path to step 60, then the drift to uniform again (teacher entropy 3.4 at step 80, 4.0
-      at the end; loss back up to 4.8): kNN **66.3%** (635 CPU-s, 36 min wall at a load of
-      11-14). So the learning is fragile: small schedule changes decide between the two
-      outcomes. Next to try for a robust, shorter demo: a constant teacher momentum, a
-      teacher temperature below 0.02, a larger batch or no local crops to cut the step.
-    Earlier settings, 2-3 epochs, none learning (this preset's head, crops and temperature
-    0.02 unless said):
-    - SGD lr 0.06 at batch 128, teacher temperature 0.04, teacher momentum 0.99, no BN in the
-      head: uniform collapse (teacher entropy 5.5 = log 256 from step 60 on), kNN 34.4%;
-    - + BN in the head, norm_last_layer False: the same drift to uniform (teacher entropy 2.9
-      at step 20, 4.1 at step 40; stopped);
-    - SGD lr 0.15 at batch 128, BN in the head, temperature 0.02: teacher entropy 1.3 at step
-      20, drifting to 4.8 by the end; kNN 58.7%;
-    - LARS lr 0.3 per 256, weight decay 1e-6: teacher momentum 0.9: uniform collapse again
-      (teacher entropy 4.7 at the end), 39.9%; teacher momentum 0.9995 (solo-learn's): the
-      teacher stays sharp (entropy 1.3) but the student stays near uniform (entropy 5.2), 55.6%.
-    What made the 4-epoch run learn: LARS (with SGD the drift to uniform won), a teacher
-    momentum between the collapsing 0.9 and the frozen 0.9995, twice solo-learn's rate.
+    """The demo data and network every method's demo uses, with DINO's two global crops at
+    32 px only (under 5 minutes), a small head with BN, a sharp teacher (temperature 0.02) that
+    follows the student within a few hundred steps (momentum 0.99 -> 1), and LARS as the other
+    non-contrastive demos (``recipes.demo_lars``, solo-learn's CIFAR DINO at twice its rate). Why
+    each choice, and the local-crop variant: docs/methods.md.
     """
-    base.demo_data_and_model(c)
+    recipes.demo_data_and_model(c)
     c.model.dtype = "float32"
     c.model.head_dims = ()
     c.model.sync_bn = True
-    c.num_epochs = 4  # 3 drifted back to uniform (see above)
+    c.num_epochs = 4  # 3 drift back to a uniform teacher
     a = c.data.augment
     # The two global crops only: with two 16 px local crops as well, 4 epochs took 8.4 min.
     a.num_crops = (1, 1)
@@ -317,13 +268,13 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     m.hidden_dim = 256
     m.bottleneck_dim = 64
     # BN in the head keeps the outputs of different images apart at the start; without it the
-    # centred teacher was uniform within 60 steps (see above).
+    # centred teacher was uniform within 60 steps.
     m.use_bn_in_head = True
-    m.teacher_temp = 0.02  # sharper than ImageNet's 0.04: see above
+    m.teacher_temp = 0.02  # sharper than ImageNet's 0.04, with which the teacher went uniform
     m.warmup_teacher_temp = 0.02
     m.teacher_momentum = 0.99  # 0.9 collapsed, 0.9995 (solo-learn's 1000 epochs) did not move
     m.freeze_last_layer_epochs = 0.5
-    base.demo_lars(c, base_lr=0.6, weight_decay=1e-6)
+    recipes.demo_lars(c, base_lr=0.6, weight_decay=1e-6)
     o = c.optim
     o.warmup_epochs = 0.5
     o.weight_decay_schedule = "constant"
@@ -333,58 +284,21 @@ def _demo(c: ml_collections.ConfigDict) -> None:
 
 
 def _demo_vit(c: ml_collections.ConfigDict) -> None:
-    """DINO on a small ViT on the demo data (issue 10), on top of ``_demo`` (data, crops,
-    head sizes, BN in the head, teacher temperature 0.02): ViT-Tiny (width 192, 3 heads) cut
-    to 4 blocks, 8 px patches at 32 px (a 4 x 4 grid; 16 px local crops, if set, get 2 x 2
-    and resampled position embeddings), learned position embeddings, no drop path, and
-    DINO's ViT optimizer (AdamW, weight decay cosine 0.04 -> 0.4 on weights only,
-    per-parameter clipping 3.0) at twice its base rate (1e-3 per 256); the two global crops
-    only (no local crops), 4 epochs, teacher momentum 0.996 -> 1 (the paper's).
-
-    This preset (run G below), from a fresh clone of main: kNN top-1 learned **42.2%** vs
-    random init 30.2% in 4 min 51 s wall (333 s user + 64 s sys, 2 cores).
-
-    Deliberate differences from DINO's ViT recipe: BN in the head (``_demo``'s, which kept
-    the ResNet demo from drifting to a uniform teacher); no local crops (what learned most in
-    a few hundred steps, below). The MoCo v3 attempt of the last
-    session (ViT-Tiny, 4 blocks, 4 px patches: 65 tokens) took 10.5 min for 26.9% vs 21.1%;
-    8 px patches (17 tokens) make a step about 4x cheaper.
-
-    Measured (seed 0, kNN top-1 learned vs random init 30.2%; 2 cores shared with 4-5 other
-    sessions at a load of 12-14, CPU time is user + sys):
-    - AdamW lr 2e-3 per 256, teacher temperature 0.04: drift to a uniform teacher (teacher
-      entropy 3.7 at step 20, 5.1 at step 60 of log 256 = 5.5; loss 4.8 -> 5.3), kNN 30.8%
-      after epoch 1 (stopped; 197 CPU-s for 64 steps and 2 kNN passes). A step of AdamW at
-      that rate moves the ViT's 0.02-scale weights by about 5% (LARS in the ResNet demo: 0.6%).
-    Measured on 2026-11-24 from a fresh clone of main (seed 0, teacher temperature 0.02;
-    wall time alone or with one other job on 2 cores):
-    - A: AdamW 5e-4 per 256, 3 epochs, 186 steps, 2 + 2 crops: **34.0%** in 4 min 4 s;
-      the teacher is sharp early (entropy 1.05 at step 20-40) and drifts towards uniform
-      (2.9 at step 160) while the student never follows it (entropy 4.2-4.7, loss 4.3-4.7),
-      the online probe stays near chance (13%);
-    - B: LARS as the ResNet demo (0.6 per 256, eta 0.02, weight decay 1e-6): the student follows
-      the teacher at first (entropies 2.8 / 0.65 at step 40) then both drift towards uniform
-      (4.6 / 3.6 at step 120): **33.1%** (5 min 10 s);
-    - C: AdamW 1e-3 per 256, 5 epochs (310 steps): the same drift after step 60, **35.1%** (8 min
-      9 s, one other job running);
-    - D: AdamW 1e-3 per 256, 3 epochs, teacher momentum 0.996 -> 1: slower drift (teacher
-      entropy 2.4 at the end), **34.6%** (5 min 39 s);
-    - E: C without the local crops: the student follows further (entropy 3.2 at step 80)
-      before the drift, **38.8%** (9 min 38 s wall, 451 CPU-s, one other job);
-    - F: E with teacher momentum 0.996 -> 1: slower drift (teacher entropy 3.1 at the end),
-      **42.4%** (from a fresh clone: 5 min 49 s);
-    - G: F in 4 epochs (248 steps; this preset): **42.2%** in 4 min 51 s.
-    Every run drifts towards a uniform teacher after step 60-80; DINO on a ViT is known to
-    need long schedules. Next to try: 2 blocks and more epochs, a larger batch.
+    """DINO on a small ViT on the demo data, on top of ``_demo`` (data, crops, head sizes,
+    BN in the head, teacher temperature 0.02): ViT-Tiny cut to 4 blocks, 8 px patches
+    (``recipes.demo_vit_trunk``), learned position embeddings, and DINO's ViT optimizer (AdamW,
+    weight decay cosine 0.04 -> 0.4, per-parameter clipping 3.0) at twice its base rate;
+    teacher momentum 0.996 -> 1, no local crops, 4 epochs. Deliberate differences from DINO's
+    ViT recipe (BN in the head, no local crops) and the runs behind them: docs/methods.md.
     """
-    c.num_epochs = 4  # 248 steps: as much as 5 epochs (runs F, G), under 5 minutes
-    # ``_demo``'s two global crops, no local ones (runs E, F).
-    c.method.teacher_momentum = 0.996  # DINO's momentum_teacher (run F)
-    base.demo_vit_trunk(c, pos_embed_init="learned")
+    c.num_epochs = 4  # 248 steps: as much as 5 epochs learned, under 5 minutes
+    # ``_demo``'s two global crops, no local ones.
+    c.method.teacher_momentum = 0.996  # DINO's momentum_teacher: a slower drift than 0.99
+    recipes.demo_vit_trunk(c, pos_embed_init="learned")
     o = c.optim
     o.name = "adamw"
     o.betas = (0.9, 0.999)
-    o.base_lr = 1e-3  # per 256 images: twice main_dino.py's --lr 5e-4 (run A learned less)
+    o.base_lr = 1e-3  # per 256 images: twice main_dino.py's --lr 5e-4, which learned less
     o.base_lr_batch_size = 256
     o.lr_scaling = "linear"
     o.schedule = "cosine"

@@ -8,9 +8,9 @@ splits, written to ``workdir/features/<split>/<layer>_{features,targets,inds}.np
   python launch.py --config=configs/extract_features.py --workdir=runs/moco_features \
       --config.init.checkpoint=runs/moco --config.extract.layers='("res4","res5","avgpool")'
 
-The model fields must be those the checkpoint was trained with: these presets take them
-from configs/moco.py (same preset names); override ``--config.model.*`` for other runs
-(a checkpoint that does not fit names the flags its workdir's config.json has).
+The model fields come from the evaluated workdir's config.json (jssl.checkpoints.source_model),
+so ``--config.init.checkpoint=<any method's workdir>`` is enough; a ``--config.model.*`` flag
+wins, and a PyTorch file uses this preset's model fields (ResNet-50 by default).
 ``init.checkpoint`` is a jssl workdir, a ``checkpoints/<step>`` dir or a .torch/.pth file
 (trunk only); left empty, the workdir's own checkpoints are used.
 
@@ -37,7 +37,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     e.splits = (c.data.train_split, c.data.test_split)
     # Model taps: conv1, conv1_relu, res2..res5 (NHWC maps), avgpool (VISSL's res5avg), head.
     e.layers = ("avgpool",)
-    # jssl/pooling.py: "none" | "avg" | "avg:k,s,p" | "vissl_resnet50" (VISSL's
+    # jssl/evaluation/pooling.py: "none" | "avg" | "avg:k,s,p" | "vissl_resnet50" (VISSL's
     # LINEAR_EVAL_FEAT_POOL_OPS_MAP) for every layer, or "layer=spec;layer=spec".
     e.pool = "vissl_resnet50"
     e.batch_size = 256  # global; the last batch of a split is padded and masked

@@ -9,9 +9,9 @@ TOPK 200, SIGMA 0.1; DINO's ``eval_knn.py``: k in 10/20/100/200, T 0.07).
   python launch.py --config=configs/knn.py --workdir=runs/moco_knn \
       --config.init.checkpoint=runs/moco --config.knn.layer=res5 --config.knn.pool=avg
 
-The model fields must be those the checkpoint was trained with: these presets take them from
-configs/moco.py (same preset names); override ``--config.model.*`` for other runs
-(a checkpoint that does not fit names the flags its workdir's config.json has).
+The model fields come from the evaluated workdir's config.json (jssl.checkpoints.source_model),
+so ``--config.init.checkpoint=<any method's workdir>`` is enough; a ``--config.model.*`` flag
+wins, and a PyTorch file uses this preset's model fields (ResNet-50 by default).
 Writes ``workdir/results.json``: ``{"layer", "temperature", "num_train", "num_test",
 "k<k>": {"top1", "top5"}, ...}`` and TensorBoard scalars ``knn/<layer>/k<k>/top1``.
 
@@ -45,7 +45,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # An extract_features workdir or its features/ dir: read <layer> features from
     # there (memory-mapped) instead of running the model of init.checkpoint.
     k.features_dir = ""
-    # jssl/pooling.py spec applied to the layer on device before the kNN, when computing
+    # jssl/evaluation/pooling.py spec applied to the layer on device before the kNN, when computing
     # features here ("none" | "avg" | "avg:k,s,p"); cached features are used as stored.
     k.pool = "none"
     c.log_every_steps = 100

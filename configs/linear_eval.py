@@ -11,9 +11,10 @@ eval_resnet_8gpu_transfer_in1k_linear.yaml``).
 
 One BN -> linear head per layer in ``linear.layers`` (VISSL's eval_mlp), all trained at once;
 ``workdir/results.json`` holds ``{"<layer>": {"top1": .., "top5": ..}, ...}`` on the test
-split. The model fields must be those the checkpoint was trained with: these presets take
-them from configs/moco.py (same preset names); override ``--config.model.*`` for other runs
-(a checkpoint that does not fit names the flags its workdir's config.json has).
+split. The model fields come from the evaluated workdir's config.json
+(jssl.checkpoints.source_model), so ``--config.init.checkpoint=<any method's workdir>`` is
+enough; a ``--config.model.*`` flag wins, and a PyTorch file uses this preset's model fields
+(ResNet-50 by default).
 ``config.optim``, ``num_epochs`` and ``data.batch_size`` describe the training of the heads.
 
 Presets: "" / "imagenet" (VISSL's ResNet-50 recipe), "demo" (the moco demo model on the demo
@@ -41,7 +42,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # Taps to evaluate, one head each: conv1, conv1_relu, res2..res5, avgpool (VISSL's
     # res5avg), head. VISSL evaluates conv1 and res2..res5 pooled to ~9k dims.
     lin.layers = ("conv1", "res2", "res3", "res4", "res5", "avgpool")
-    # jssl/pooling.py: "none" | "avg" | "avg:k,s,p" | "vissl_resnet50" (VISSL's
+    # jssl/evaluation/pooling.py: "none" | "avg" | "avg:k,s,p" | "vissl_resnet50" (VISSL's
     # LINEAR_EVAL_FEAT_POOL_OPS_MAP) for every layer, or "layer=spec;layer=spec".
     lin.pool = "vissl_resnet50"
     lin.num_classes = 1000

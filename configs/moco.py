@@ -12,7 +12,7 @@ for the test suite).
 
 import ml_collections
 
-from configs import base
+from configs import base, recipes
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
@@ -36,10 +36,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     # VISSL: imagenet1k folder, 32 per GPU x 8 GPUs = 256, RandomResizedCrop 224,
     # ImgPilColorDistortion strength 0.5, ImgPilGaussianBlur p 0.5 radius 0.1-2.0, flip 0.5.
-    c.data.source = "tfds"
-    c.data.name = "imagenet2012"
-    c.data.train_split = "train"
-    c.data.test_split = "validation"
+    recipes.imagenet_data(c)
     c.data.batch_size = 256
     c.data.image_size = 224
     c.data.augment.crop_scale = (0.08, 1.0)  # torchvision RandomResizedCrop default, as VISSL
@@ -80,29 +77,16 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
 def _demo(c: ml_collections.ConfigDict) -> None:
     """Small ResNet-18 on the built-in demo data at 32 px, 2 CPU cores, a few minutes."""
-    base.demo_data_and_model(c)
+    recipes.demo_data_and_model(c)
     c.model.head_dims = (128, 128, 64)
-    # MoCo v3's projector (Chen, Xie, He 2021, "An Empirical Study of Training Self-Supervised
-    # Vision Transformers", Sec. 2): BN after the hidden layer and an affine-free BN on the output.
-    # The demo's deliberate difference from the MoCo v2 head: a few hundred steps on 8000 simple
-    # images are not enough for the v2 head, whose embeddings collapse onto one direction that
-    # rotates from step to step; the query then matches the freshest key better than the
-    # older keys in the queue without telling images apart (contrastive accuracy up to 1.0, loss
-    # near ln(K + 1)). A PyTorch MoCo v2 on the same views did the same (kNN 35.5% learned vs
-    # 42.8% random init). Batch-centred outputs cannot share a direction, which removes the
-    # shortcut.
+    # MoCo v3's projector (Chen, Xie, He 2021, Sec. 2): BN after the hidden layer and an
+    # affine-free BN on the output. In a few hundred steps the v2 head's embeddings collapse onto
+    # one rotating direction; batch-centred outputs cannot share one (docs/methods.md).
     c.model.head_bn = True
     c.model.head_last_bn = True
-    # A run of 372 steps needs a key encoder that keeps up and a queue of fresh keys: with
-    # m 0.99 and a 1024-key queue the pretext task barely moved (contrastive loss 7.03 -> 6.80,
-    # kNN 63% on seed 0, 81% on another machine). m 0.9 and two batches of keys learn within
-    # an epoch. Measured per seed (kNN learned vs random init, 6 epochs, 2 CPU cores, one run at
-    # a time from a clone of 3336805): 91.0/57.6, 90.8/48.9, 86.8/53.8 (seeds 0-2, per-device
-    # BN) and 88.5/57.6, 90.2/48.9, 88.4/53.8 (sync BN; seed 2 killed at step 320 and resumed
-    # from step 310): learned 86.8-91.0%, at least 30.9 points above random init. (Before the
-    # crop-groups batch format the same seeds gave 86.8/92.9/83.1 per-device.) At lr 0.03
-    # (batch 128) some seeds stalled for ~150 steps with similar negatives and ended near 76-79%;
-    # T 0.1 collapsed (35.6%). Half that lr with a 1-epoch warmup and T 0.3 stalled on none.
+    # A run of 372 steps needs a key encoder that keeps up and a queue of fresh keys (m 0.99
+    # and 1024 keys barely moved the pretext task); twice this lr stalled some seeds and T 0.1
+    # collapsed. Seeds 0-2, both BN modes: learned 86.8-91.0% vs random 48.9-57.6%.
     c.method.queue_size = 256
     c.method.momentum = 0.9
     c.method.temperature = 0.3
@@ -117,5 +101,5 @@ def _demo(c: ml_collections.ConfigDict) -> None:
 
 def _tiny(c: ml_collections.ConfigDict) -> None:
     """Seconds-long runs for the test suite."""
-    base.tiny(c)
+    recipes.tiny(c)
     c.method.queue_size = 64

@@ -16,7 +16,7 @@ features), "demo_vit" (the demo on a 4-block ViT-Tiny with AdamW), "test" (tiny)
 
 import ml_collections
 
-from configs import base
+from configs import base, recipes
 
 PRESETS = ("", "imagenet", "vit_small", "vit_base", "resnet50", "demo", "demo_vit", "test")
 # ViT widths: the class token feeds the projector (vits.py vit_small / vit_base: embed_dim).
@@ -57,17 +57,15 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.model.sync_bn = True
     c.model.dtype = "bfloat16"
 
-    # BYOL's asymmetric views (main_moco.py augmentation1 / augmentation2; base.byol_views):
+    # BYOL's asymmetric views (main_moco.py augmentation1 / augmentation2; recipes.byol_views):
     # RandomResizedCrop 224 with --crop-min 0.08 (the default, which the ViT commands keep),
     # colour jitter (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, blur p 1.0 / 0.1 (sigma
     # 0.1-2.0), solarisation p 0.0 / 0.2, flip. Batch 4096 (-b default, the published ViT
     # models, "Below are our pre-trained ViT models (batch 4096)").
-    c.data.source = "tfds"
-    c.data.name = "imagenet2012"
-    c.data.test_split = "validation"
+    recipes.imagenet_data(c)
     c.data.batch_size = 4096
     c.data.image_size = 224
-    base.byol_views(c)
+    recipes.byol_views(c)
     c.data.augment.crop_scale = (0.08, 1.0)
 
     # --optimizer=adamw --lr=1.5e-4 --weight-decay=.1 --epochs=300 --warmup-epochs=40:
@@ -106,7 +104,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         if preset == "demo_vit":
             _demo_vit(c)
         if preset == "test":
-            base.tiny(c)
+            recipes.tiny(c)
             c.method.predictor_dims = (16, 32, 16)
     return c
 
@@ -154,18 +152,11 @@ def _resnet50(c: ml_collections.ConfigDict) -> None:
 def _demo(c: ml_collections.ConfigDict) -> None:
     """The demo data and network every method's demo uses, MoCo v3's ResNet recipe with
     solo-learn's CIFAR optimizer (vturrisi/solo-learn scripts/pretrain/cifar/mocov3.yaml: LARS
-    eta 0.02 without biases and norms, lr 0.3 per 256, weight decay 1e-6, T 0.2; its tau_base
-    0.99) and a momentum encoder that keeps up within a few hundred steps (tau_base 0.95).
-
-    Measured on the demo (3 epochs = 186 steps, seed 0, kNN top-1 learned vs random init
-    57.6%; wall time on 2 cores shared with other sessions):
-    - tau_base 0.99, lr 0.3, weight decay 1e-5: 81.0% (4 min 9 s);
-    - tau_base 0.99, lr 1.0, weight decay 1e-6: 79.5% (3 min 26 s); the loss falls faster
-      (contrastive accuracy 6.6% vs 4.4% at step 180) but the features do not improve;
-    - tau_base 0.95, lr 0.3, weight decay 1e-6 (this preset): **83.5%** (3 min 27 s).
-    The loss starts at 2T * 2 ln 128 = 3.88 (chance over the 128 keys of the batch).
+    eta 0.02 without biases and norms, lr 0.3 per 256, weight decay 1e-6, T 0.2) and a momentum
+    encoder that keeps up within a few hundred steps (tau_base 0.95; solo-learn's 0.99 learned
+    less). Figures: docs/methods.md.
     """
-    base.demo_data_and_model(c)
+    recipes.demo_data_and_model(c)
     c.model.dtype = "float32"
     c.num_epochs = 3
     c.model.head_dims = (128, 256, 64)
@@ -173,32 +164,22 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.method.predictor_dims = (64, 256, 64)
     c.method.temperature = 0.2
     c.method.base_momentum = 0.95
-    base.demo_two_views(c)
-    base.demo_lars(c, base_lr=0.3, weight_decay=1e-6)
+    recipes.demo_two_views(c)
+    recipes.demo_lars(c, base_lr=0.3, weight_decay=1e-6)
 
 
 def _demo_vit(c: ml_collections.ConfigDict) -> None:
-    """The demo (data, views, projector and predictor widths, T 0.2, tau 0.95) on a ViT as
-    the DINO ViT demo's: ViT-Tiny (width 192) cut to 4 blocks, 8 px patches at 32 px (16
-    tokens + the class token), MoCo v3's fixed 2-D sin-cos position embeddings, and the
-    paper's ViT optimizer, AdamW, at a demo's rate: 3e-3 per 256 (the paper: 1.5e-4, for
-    300 epochs), weight decay 0.05 (the paper: 0.1), 5 epochs = 310 steps, 1-epoch warmup.
-
-    Measured on 2026-11-24 (seed 0, kNN top-1 learned vs random init 30.0%; 2 cores, alone):
-    - AdamW 1e-3 per 256, patch projection trained: 39.1% (4 min 11 s); the loss barely left
-      chance (3.88 -> 3.83);
-    - AdamW 3e-3 per 256, patch projection trained (this preset): **48.4%** (4 min 43 s;
-      loss 3.92 -> 3.51); from a fresh clone of main the same 48.4% in 3 min 49 s;
-    - the same with the patch projection frozen at its random init (the paper's ViT recipe):
-      41.1% (4 min 34 s; loss 3.91 -> 3.65).
-    Deliberate difference from the paper's ViT recipe: the patch projection trains (the
-    frozen one learned less in a few hundred steps; its purpose, stability over long runs at
-    large batches, does not arise here).
+    """The demo (data, views, projector and predictor widths, T 0.2, tau 0.95) on the ViT of
+    the DINO ViT demo (``recipes.demo_vit_trunk``) with MoCo v3's fixed 2-D sin-cos position
+    embeddings and the paper's ViT optimizer, AdamW, at a demo's rate: 3e-3 per 256 (the
+    paper: 1.5e-4, for 300 epochs), weight decay 0.05 (the paper: 0.1), 5 epochs, 1-epoch
+    warmup. Deliberate difference from the paper's ViT recipe: the patch projection trains (a
+    frozen one learned less in a few hundred steps; docs/methods.md).
     """
-    base.demo_vit_trunk(c, pos_embed_init="sincos")
+    recipes.demo_vit_trunk(c, pos_embed_init="sincos")
     c.model.zero_init_residual = False
     c.model.head_dims = (192, 256, 64)
-    c.method.freeze_patch_embed = False  # see above
+    c.method.freeze_patch_embed = False  # the patch projection trains (see the docstring)
     c.num_epochs = 5
     o = c.optim
     o.name = "adamw"

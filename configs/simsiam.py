@@ -11,7 +11,7 @@ data at 32 px; prints the kNN accuracy of learned vs random features), "test" (t
 
 import ml_collections
 
-from configs import base
+from configs import base, recipes
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
@@ -36,9 +36,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # main_simsiam.py: RandomResizedCrop 224 scale (0.2, 1), ColorJitter(0.4, 0.4, 0.4, 0.1)
     # p 0.8 (strength 0.5), grayscale p 0.2, Gaussian blur sigma 0.1-2.0 p 0.5, flip 0.5;
     # batch 512.
-    c.data.source = "tfds"
-    c.data.name = "imagenet2012"
-    c.data.test_split = "validation"
+    recipes.imagenet_data(c)
     c.data.batch_size = 512
     c.data.image_size = 224
     a = c.data.augment
@@ -79,7 +77,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
-            base.tiny(c)
+            recipes.tiny(c)
             c.model.head_dims = (64, 32, 32, 16)  # three layers, as SimSiam's projector
             c.method.predictor_dims = (16, 8, 16)
     else:
@@ -91,32 +89,17 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:
-    """The demo data and network every method's demo uses, with BYOL's demo recipe without its
-    EMA target (configs/byol.py: LARS as solo-learn's CIFAR recipes, eta 0.02, the predictor at
-    10x the learning rate, projector 128-256-64 and predictor 64-256-64), which is SimSiam's
-    relation to BYOL (Chen & He 2021, Sec. 5: SimSiam is BYOL without the momentum encoder),
-    at 0.3 per 256 with weight decay 1e-4 (the VICReg and Barlow Twins demos' LARS).
-
-    Measured (2026-11-25, seed 0, 4 epochs = 248 steps, a kNN test after every epoch; kNN
-    top-1 learned vs random init 57.6%):
-    - **this preset**: 50.6%, 71.5%, 74.4%, **79.6%** after epochs 1-4 (the first epoch
-      costs what random features had, then every epoch adds);
-    - lr 0.5 per 256 (BYOL's demo rate), weight decay 1e-4: 42.4%, 35.6%, 42.4%, 48.1%: the
-      training cosine reaches 0.85 within two epochs (the outputs partially collapse);
-    - lr 0.5, weight decay 5e-4 (SimSiam's CIFAR decay): 41.1%, 50.1%, 52.6%, 56.1%; the same
-      with the predictor at the base rate, held constant (the paper's fix): 54.4%, 48.6%,
-      51.9%, 52.4% (test cosine 0.93).
-    Earlier, 3 epochs (the std of the l2-normalised projections falls well under 1/sqrt(d)
-    while the training cosine climbs: partial dimensional collapse, as Li, Efros and Pathak
-    2022 find for networks small for their data): SGD 0.2 per 256 with weight decay 5e-4,
-    41.0%; solo-learn's CIFAR SGD (0.5 per 256, weight decay 1e-5) with a constant-rate
-    predictor, 44.9%; LARS 1.0 per 256 with weight decay 1e-5, 50.2%.
+    """The demo data and network every method's demo uses, with BYOL's demo recipe without
+    its EMA target (SimSiam is BYOL without the momentum encoder, Chen & He 2021 Sec. 5): LARS
+    as solo-learn's CIFAR recipes, the predictor at 10x the rate, projector 128-256-64 and
+    predictor 64-256-64, at 0.3 per 256 with weight decay 1e-4 (at BYOL's 0.5 the outputs
+    partially collapse). Figures: docs/methods.md.
     """
-    base.demo_data_and_model(c)
+    recipes.demo_data_and_model(c)
     c.num_epochs = 4
     c.test_every_epochs = 2
     c.model.head_dims = (128, 256, 64)
     c.model.sync_bn = True
     c.method.predictor_dims = (64, 256, 64)
-    base.demo_lars(c, base_lr=0.3, weight_decay=1e-4)
+    recipes.demo_lars(c, base_lr=0.3, weight_decay=1e-4)
     c.optim.param_groups = (("predictor", 10.0),)

@@ -13,7 +13,7 @@ batch 256 as in the SwAV repository's README) keeps the equipartition meaningful
 
 import ml_collections
 
-from configs import base
+from configs import base, recipes
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
@@ -46,9 +46,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # BATCHSIZE_PER_REPLICA 64 x 64 GPUs; ImgPilToMultiCrop size_crops [224, 96], num_crops
     # [2, 6], crop_scales [[0.14, 1], [0.05, 0.14]]; flip 0.5; ImgPilColorDistortion strength
     # 1.0; ImgPilGaussianBlur p 0.5, radius 0.1-2.0.
-    c.data.source = "tfds"
-    c.data.name = "imagenet2012"
-    c.data.test_split = "validation"
+    recipes.imagenet_data(c)
     c.data.batch_size = 4096
     c.data.image_size = 224
     a = c.data.augment
@@ -60,11 +58,11 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     a.blur_prob = (0.5,)
     a.blur_sigma = (0.1, 2.0)
 
-    # OPTIMIZER as base.vissl_8node_larc; num_epochs 400; lr linear 0.3 (rewritten to 0.6 by
+    # OPTIMIZER as recipes.vissl_8node_larc; num_epochs 400; lr linear 0.3 (rewritten to 0.6 by
     # auto-scaling) -> 4.8 over lengths[0] = 0.025 of the run (10 epochs), then cosine 4.8 ->
     # 0.0048 (0.001 of the peak).
     c.num_epochs = 400
-    base.vissl_8node_larc(c, warmup_epochs=10, final_fraction=0.001)
+    recipes.vissl_8node_larc(c, warmup_epochs=10, final_fraction=0.001)
     c.checkpoint.every_steps = 1560  # CHECKPOINT_FREQUENCY 5 epochs at 312 steps/epoch
     c.log_every_steps = 10  # LOG_FREQUENCY
     c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
@@ -74,7 +72,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
-            base.tiny(c)
+            recipes.tiny(c)
             c.data.augment.num_crops = (2, 4)
             c.data.augment.crop_sizes = (16, 8)
             # VISSL's epsilon: the demo's 0.02 sharpens the codes enough that float rounding
@@ -92,18 +90,12 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:
-    """The demo data and network every method's demo uses; SwAV's multi-crop at demo sizes.
-
-    Measured on the demo (3 epochs, seed 0, kNN top-1 learned vs random init 57.6%): the
-    ImageNet values epsilon 0.05, small crops at scale 0.05-0.14 (here 0.1-0.3) and the
-    demo's strong colour distortion collapse to uniform codes (loss stuck at ln K, 2 and 6
-    crops alike); milder colour distortion clusters by colour (48.8%); K=100 collapses too.
-    epsilon 0.02 keeps the codes sharp enough to escape (57.6%, lr 0.06 at batch 128), and lr
-    0.15 learns: 79.3% with 2x32 + 4x16 px crops in 3 epochs (7.8 min on 2 cores), 77.2% with
-    2x32 + 2x16 px in 3 epochs (5.3 min), 70.5% with 2x32 + 2x16 px in 2 epochs (3.1 min), the
-    demo: under 5 minutes.
+    """The demo data and network every method's demo uses; SwAV's multi-crop at demo sizes
+    (2x32 + 2x16 px, 2 epochs: under 5 minutes), 30 prototypes and epsilon 0.02: with ImageNet's
+    0.05, the demo's small crops and strong colour distortion the codes collapse to uniform.
+    Figures and longer variants: docs/methods.md.
     """
-    base.demo_data_and_model(c)
+    recipes.demo_data_and_model(c)
     c.model.dtype = "float32"
     c.num_epochs = 2
     c.model.head_dims = (128, 128, 64)
@@ -115,7 +107,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     a.crop_scale = ((0.3, 1.0), (0.2, 0.5))
     m = c.method
     m.num_prototypes = (30,)  # 3 per demo class, as 3000 is 3 per ImageNet class
-    m.epsilon = 0.02  # sharper codes than ImageNet's 0.05: see above
+    m.epsilon = 0.02  # sharper codes than ImageNet's 0.05, which collapsed to uniform
     m.freeze_prototypes_iters = 31  # half a demo epoch (VISSL: 313, one ImageNet epoch)
     m.queue_length = 0
     o = c.optim

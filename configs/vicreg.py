@@ -12,7 +12,7 @@ data at 32 px; prints the kNN accuracy of learned vs random features), "test" (t
 
 import ml_collections
 
-from configs import base
+from configs import base, recipes
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
@@ -37,12 +37,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # Batch 2048 (--batch-size); BYOL's augmentations (Appendix C.1, augmentations.py):
     # RandomResizedCrop 224 (0.08-1), flip 0.5, colour jitter p 0.8, grayscale p 0.2, blur p
     # [1.0, 0.1] sigma 0.1-2.0, solarisation p [0.0, 0.2]: per view, so two crop groups.
-    c.data.source = "tfds"
-    c.data.name = "imagenet2012"
-    c.data.test_split = "validation"
+    recipes.imagenet_data(c)
     c.data.batch_size = 2048
     c.data.image_size = 224
-    base.byol_views(c)
+    recipes.byol_views(c)
 
     # LARS (eta 0.001, momentum 0.9; biases and norms neither decayed nor adapted:
     # exclude_bias_and_norm), weight decay 1e-6, base lr 0.2 per 256 (1.6 at 2048), 1000
@@ -77,7 +75,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
-            base.tiny(c)
+            recipes.tiny(c)
             c.model.head_dims = (64, 32, 32)
     else:
         raise ValueError(
@@ -88,23 +86,15 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
 def _demo(c: ml_collections.ConfigDict) -> None:
     """The demo data and network every method's demo uses; VICReg's loss; solo-learn's CIFAR
-    LARS (``base.demo_lars``, scripts/pretrain/cifar/vicreg.yaml: lr 0.3 per 256, weight
-    decay 1e-4).
-
-    Measured on the demo (3 epochs = 186 steps, seed 0, kNN top-1 learned vs random init
-    62.9%): with plain SGD (lr 0.2 at batch 128, weight decay 5e-4) 56.4%, below random: the
-    variance term did not fall (0.69 -> 0.7; the embeddings' std stayed near 0.27, then shrank
-    to 0.2, as the invariance term pulled the views together faster than the variance hinge
-    spread them). With this LARS the std rose steadily (0.30 at step 20, 0.47 at step 140)
-    and the run reached 92.2% (323 s on 2 cores shared with the test suite).
-    The output is 64-d, below the batch of 128, as Barlow Twins' demo needs (the covariance
-    of N images has rank < N).
+    LARS (``recipes.demo_lars``, scripts/pretrain/cifar/vicreg.yaml: lr 0.3 per 256, weight
+    decay 1e-4; with plain SGD the variance term did not fall). The output is 64-d, below the
+    batch of 128, as Barlow Twins' demo needs. Figures: docs/methods.md.
     """
-    base.demo_data_and_model(c)
+    recipes.demo_data_and_model(c)
     c.model.dtype = "float32"
-    c.model.zero_init_residual = False  # see base.demo_data_and_model
+    c.model.zero_init_residual = False  # see recipes.demo_data_and_model
     c.num_epochs = 3
     c.model.head_dims = (128, 512, 512, 64)
     c.model.sync_bn = True
-    base.demo_two_views(c)
-    base.demo_lars(c, base_lr=0.3, weight_decay=1e-4)
+    recipes.demo_two_views(c)
+    recipes.demo_lars(c, base_lr=0.3, weight_decay=1e-4)
