@@ -11,8 +11,8 @@ test split, and ``workdir/results.json`` holds ``{"<layer>": {"top1": .., "top5"
 With ``config.linear.cached_features`` (an ``extract_features`` workdir's ``features/``
 folder) the heads train on the already pooled features read from disk, with no trunk forward.
 Those features are of the evaluation view (resize + centre crop), so this fast mode trains
-without VISSL's random crops and flips and scores differently: on the demo, res4 reached
-96.3% top-1 from cached features and 86.1% with crops (6 epochs each).
+without VISSL's random crops and flips and scores differently (the demo's figures of both
+modes are in docs/evaluation.md).
 
 The loop (jssl.engines.loop) is the train engine's in miniature: one jitted, state-donating
 step over the mesh, a checkpoint of the (small) head state at the end of every epoch and every
