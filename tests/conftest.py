@@ -19,7 +19,13 @@ import pytest  # noqa: E402
 # Files that take minutes (subprocess runs on 1, 2 and 4 devices). They are collected first,
 # so that under pytest-xdist (``-n 2 --dist loadfile``) the other worker runs the rest
 # meanwhile instead of one worker running them alone at the end.
-LONGEST_FIRST = ("test_parallel.py", "test_multihost_train.py", "test_launch.py")
+LONGEST_FIRST = (
+    "test_parallel.py",
+    "test_contract.py",
+    "test_multihost_train.py",
+    "test_launch.py",
+    "test_package.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
