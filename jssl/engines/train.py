@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -40,6 +39,7 @@ from jssl.checkpoints import warm_start
 from jssl.data import device_augment
 from jssl.engines import knn as knn_engine
 from jssl.evaluation import monitor
+from jssl.training import batches as batches_lib
 from jssl.training import finite, preemption, probe, summaries
 from jssl.training import state as train_state
 from jssl.training.progress import Plan, Progress, Window, position_after
@@ -123,7 +123,7 @@ def run(
     it make an epoch (default ``len(batches)``).
     """
     if batches is not None:
-        steps_per_epoch = _user_steps_per_epoch(batches, steps_per_epoch)
+        steps_per_epoch = batches_lib.user_steps_per_epoch(batches, steps_per_epoch)
     validate(config)
     probe.check_num_classes(config)
     check_splits(config)
@@ -200,9 +200,9 @@ def run(
         replaced = 0  # rows of this epoch standing in for unreadable examples
         tested = (-1, {})  # (step, results) of the last test phase
         if batches is None:
-            host_batches = _train_batches(config, position, plan)
+            host_batches = batches_lib.pipeline_batches(config, position, plan)
         else:
-            host_batches = _user_batches(batches, position, plan)
+            host_batches = batches_lib.user_batches(batches, position, plan)
         # ``step``: the steps done once this batch is trained. The range ends the run at
         # max_steps, the batches at the end of the last epoch.
         for step, (epoch, index, host_batch) in zip(
@@ -295,53 +295,6 @@ def check_splits(config: ml_collections.ConfigDict) -> None:
                 f"{field}={split!r} cannot be read, and {reader} read it: {e} Or turn "
                 f"{reader} off with --config.{off}."
             ) from e
-
-
-def _train_batches(config, position, plan: Plan) -> Iterator[tuple[int, int, dict]]:
-    """(epoch, index in the epoch, host batch) from ``position`` to the end of the last epoch;
-    each epoch's pipeline is built when its first batch is asked for."""
-    for epoch in range(position.epoch, plan.num_epochs):
-        start = position.step_in_epoch if epoch == position.epoch else 0
-        dataset = data.build_train_dataset(
-            config.data,
-            seed=config.seed,
-            epoch=epoch,
-            start_step=start,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
-        for index, host_batch in enumerate(dataset.as_numpy_iterator(), start):
-            yield epoch, index, host_batch
-
-
-def _user_steps_per_epoch(batches, steps_per_epoch: int | None) -> int:
-    if steps_per_epoch is None:
-        if callable(batches) or not hasattr(batches, "__len__"):
-            raise ValueError(
-                "batches= has no len(): pass steps_per_epoch=<batches in one epoch> as well."
-            )
-        steps_per_epoch = len(batches)
-    if steps_per_epoch < 1:
-        raise ValueError(f"steps_per_epoch={steps_per_epoch} must be at least 1.")
-    return steps_per_epoch
-
-
-def _user_batches(batches, position, plan: Plan) -> Iterator[tuple[int, int, dict]]:
-    """The caller's batches as (epoch, index in the epoch, host batch); a resumed epoch skips
-    the batches its checkpoint had trained on, so a loader that repeats each epoch's batches
-    resumes where it stopped."""
-    for epoch in range(position.epoch, plan.num_epochs):
-        source = batches(epoch) if callable(batches) else batches
-        start = position.step_in_epoch if epoch == position.epoch else 0
-        index = start - 1
-        window = itertools.islice(source, start, plan.steps_per_epoch)
-        for index, host_batch in enumerate(window, start):
-            yield epoch, index, {k: np.asarray(v) for k, v in dict(host_batch).items()}
-        if index + 1 < plan.steps_per_epoch:
-            raise ValueError(
-                f"batches= gave {index + 1} batches in epoch {epoch}, fewer than "
-                f"steps_per_epoch={plan.steps_per_epoch}."
-            )
 
 
 def _stop_agreed(metrics: dict | None) -> bool:
