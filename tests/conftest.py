@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 LONGEST_FIRST = (
     "test_parallel.py",
     "test_contract.py",
+    "test_contract_runs.py",
     "test_multihost_train.py",
     "test_launch.py",
     "test_package.py",

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import TYPE_CHECKING, NamedTuple
 
 from absl import logging
 
 from jssl.data import crops, order
+
+if TYPE_CHECKING:  # jssl.data.sources imports this module
+    from jssl.data.sources import SplitSource
 
 LOADERS = ("auto", "tf", "numpy")
 _TF_PACKAGES = ("tensorflow", "tensorflow_datasets")
@@ -148,6 +152,31 @@ def build_eval_dataset(
         process_index=process_index,
         process_count=process_count,
     )
+
+
+class TrainEpoch(NamedTuple):
+    """What both pipelines' build_train_dataset start from."""
+
+    local_batch: int  # this process's rows of each global batch
+    source: SplitSource  # the train split, after data.train_subset
+    steps: int  # global batches in the epoch (the remainder is dropped)
+    start_step: int  # the first batch to make, at most ``steps``
+
+
+def train_epoch(data_config, *, start_step: int, process_count: int) -> TrainEpoch:
+    """The sizes of one training epoch on this process; raises where the train split holds
+    less than one global batch."""
+    from jssl.data import sources
+
+    local_batch = order.local_batch(data_config.batch_size, process_count)
+    source = sources.resolve_split(data_config, data_config.train_split, data_config.train_subset)
+    steps = source.num_examples // data_config.batch_size
+    if steps == 0:
+        raise ValueError(
+            f"The train split has {source.num_examples} examples, fewer than one global batch of "
+            f"{data_config.batch_size}: lower data.batch_size or data.train_subset."
+        )
+    return TrainEpoch(local_batch, source, steps, min(start_step, steps))
 
 
 def num_examples(data_config, split: str) -> int:

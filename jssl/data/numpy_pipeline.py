@@ -161,15 +161,9 @@ def build_train_dataset(
     """This process's batches of one training epoch, as jssl.data.pipeline's: "crops" (one
     (local batch, num_crops, S, S, 3) array per group), "label", "index", "replaced", and
     "aug_seeds" where the step makes the views (loader.views_on_device)."""
-    local_batch = order.local_batch(data_config.batch_size, process_count)
-    source = sources.resolve_split(data_config, data_config.train_split, data_config.train_subset)
-    steps = source.num_examples // data_config.batch_size
-    if steps == 0:
-        raise ValueError(
-            f"The train split has {source.num_examples} examples, fewer than one global batch of "
-            f"{data_config.batch_size}: lower data.batch_size or data.train_subset."
-        )
-    start_step = min(start_step, steps)
+    local_batch, source, steps, start_step = loader.train_epoch(
+        data_config, start_step=start_step, process_count=process_count
+    )
     global_order = order.epoch_order(
         source.num_examples, data_config.batch_size, seed=seed, epoch=epoch
     )

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from jssl.data import crops, decoding, order, sources, transforms
+from jssl.data import crops, decoding, loader, order, sources, transforms
 
 AUTOTUNE = tf.data.AUTOTUNE
 _DECODED: dict[tuple, decoding.DecodedSplit] = {}  # data.cache: decoded splits, once per process
@@ -39,11 +39,9 @@ def _options(ds: tf.data.Dataset) -> tf.data.Dataset:
 
     Every epoch and every test phase builds its own pipeline and drops it at the end, and
     deleting an iterator waits for its autotuning thread, which sleeps between optimisations
-    for periods that grow to 60 s (TF 2.21; measured on the demo: 1 in 4 to 8 epoch ends
-    stalled 19-60 s with the CPU idle, in RootDataset's iterator destructor; none in 12 without
-    it). Without the model thread each AUTOTUNE parallelism is the runner's thread count (the
-    host's cores). Measured on 2 cores, interleaved, the same images/s within the noise:
-    83 and 103 with autotuning, 115 and 96 without (benchmarks/input_pipeline.py, 224 px JPEGs).
+    for periods that grow to 60 s: epoch ends stalled up to a minute with the CPU idle.
+    Without the model thread each AUTOTUNE parallelism is the runner's thread count (the
+    host's cores), at the same images/s within the noise (benchmarks/input_pipeline.py).
     """
     options = tf.data.Options()
     options.deterministic = True
@@ -202,22 +200,16 @@ def build_train_dataset(
     is True where the row stands in for an unreadable example (data.skip_corrupt=True). See the
     jssl.data.order docstring for which order each source gives.
     """
-    local_batch = order.local_batch(data_config.batch_size, process_count)
-    source = sources.resolve_split(data_config, data_config.train_split, data_config.train_subset)
-    steps = source.num_examples // data_config.batch_size
-    if steps == 0:
-        raise ValueError(
-            f"The train split has {source.num_examples} examples, fewer than one global batch of "
-            f"{data_config.batch_size}: lower data.batch_size or data.train_subset."
-        )
-    start_step = min(start_step, steps)
+    local_batch, source, steps, start_step = loader.train_epoch(
+        data_config, start_step=start_step, process_count=process_count
+    )
     # Positions in this process's stream of the epoch: row r of its batch t is position
     # t * local_batch + r.
     first, end = start_step * local_batch, steps * local_batch
     skip_corrupt = data_config.skip_corrupt
 
     cached = data_config.cache and source.kind == "tfds"
-    # Training decodes to uint8: the host path converts to float in _crops_fn (as before), and
+    # Training decodes to uint8: the host path converts to float in _crops_fn, and
     # data.augment.on_device crops and resizes the uint8 image without converting it whole.
     decode = decoding.decode_image_uint8
     if cached or source.random_access:

@@ -131,6 +131,6 @@ def run(
         with workdir_lib.lock(workdir):
             return run_engine(config, workdir)
     # One run per workdir at a time, and the workdir's first config kept and enforced
-    # (a resumed run must not change what it trains; see jssl.checkpoints.workdir.SAFE_FIELDS).
+    # (a resumed run must not change what it trains; see jssl.checkpoints.run_config.SAFE_FIELDS).
     with workdir_lib.open_run(config, workdir):
         return run_engine(config, workdir)

@@ -2,9 +2,8 @@
 
 The ResNet trains (and, for tiny maps, evaluates) through ``cpu_convolution`` and
 ``cpu_max_pool`` on the CPU backend only; GPUs and TPUs keep lax's and flax's operations. Each
-change was measured on the 2-core CI machine (benchmarks/train_step.py,
-benchmarks/conv_layers.py) and is tested against the operation it replaces
-(tests/test_cpu_ops.py).
+change is measured by benchmarks/train_step.py and benchmarks/conv_layers.py and tested
+against the operation it replaces (tests/models/test_cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -23,25 +22,21 @@ def cpu_convolution(
 ) -> jax.Array:
     """``lax.conv_general_dilated`` arranged for XLA's CPU backend to train; the same convolution.
 
-    Three changes for the backward pass and one for tiny maps, each measured on the 2-core CI
-    machine with benchmarks/train_step.py. Without ``training`` (ResNet's ``train=False``:
-    evaluation and feature extraction) it is ``lax.conv_general_dilated`` but for tiny maps:
-    without a backward pass the first three only cost (a ResNet-50 forward at 224 px, batch
-    32: 1.32-1.35 s with the matmuls, 1.22-1.27 s without).
+    Three changes for the backward pass and one for tiny maps. Without ``training`` (ResNet's
+    ``train=False``: evaluation and feature extraction) it is ``lax.conv_general_dilated`` but
+    for tiny maps: without a backward pass the first three only cost time.
 
     - The input is divided by a runtime 1 (exact), so that XLA computes it once. XLA's CPU
       fusion copies cheap elementwise producers into every consumer, so the transposed copy
       of the input that the weight gradient needs recomputed batch norm, ReLU and the
-      residual sums of up to three blocks, reading them in transposed order: 20-98 ms per
-      copy instead of 12-24 ms, 0.5 s of a 2.3 s ResNet-18 forward + backward at 32 px,
-      batch 128. XLA does not duplicate a division, so both the forward convolution and
-      that copy read one buffer. (``lax.optimization_barrier`` says this directly, but
-      XLA's CPU pipeline removes barriers before fusion.)
+      residual sums of up to three blocks, reading them in transposed order (a fifth of a
+      ResNet-18 forward and backward). XLA does not duplicate a division, so both the
+      forward convolution and that copy read one buffer. (``lax.optimization_barrier`` says
+      this directly, but XLA's CPU pipeline removes barriers before fusion.)
     - A 1x1 convolution is one 2-D matmul, ``reshape -> dot -> reshape``: XLA's weight
-      gradient of a 1x1 convolution is 1.4-3x slower than ``x.T @ dy`` of the same sizes
-      (64x24x24 activations, 64 <-> 256 channels), and a ResNet-50 MoCo step at 96 px ran
-      1.28x faster for it. Strided 1x1 convolutions (torchvision's downsample) take every
-      ``stride``-th pixel first, which is what a 1x1 window with zero padding sees.
+      gradient of a 1x1 convolution is 1.4-3x slower than ``x.T @ dy`` of the same sizes.
+      Strided 1x1 convolutions (torchvision's downsample) take every ``stride``-th pixel
+      first, which is what a 1x1 window with zero padding sees.
     - A 3x3 stride-2 convolution computes its input gradient phase by phase instead of over
       a zero-dilated gradient (``_conv3x3_stride2``).
     - A 3x3 stride-1 convolution of a map of at most 2x2 pixels is one matmul
@@ -100,9 +95,8 @@ def _small_conv3x3(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
     """A 3x3, stride-1, padding-1 convolution of a map of at most 2x2 pixels, as one matmul.
 
     Its kernel is larger than its input, so XLA's CPU backend swaps the two operands and runs
-    the result as a generic loop, not Eigen's convolution: 2.4 s forward and 2.4 s input
-    gradient for ResNet-18's last stage at 2x2 pixels (16 px crops, batch 384, 512 channels),
-    which made SwAV's and DINO's small crops cost most of their step. Every output pixel of so
+    the result as a generic loop, not Eigen's convolution, which made SwAV's and DINO's small
+    crops (ResNet-18's last stage at 2x2 pixels) cost most of their step. Every output pixel of so
     small a map sees every input pixel, through tap (p - i + 1, q - j + 1), so the convolution
     is one dense matmul of the flattened map with those taps arranged in blocks; it does no
     product with padding, and its gradients are matmuls too.
@@ -129,11 +123,10 @@ def _conv3x3_stride2(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
     """A 3x3, stride-2, padding-1 convolution whose input gradient skips the zeros.
 
     XLA computes that gradient as a convolution of the output gradient dilated by 2, so 3 of
-    every 4 products are with an inserted zero: 81-83 ms at 32 px, batch 128, 64 -> 128
-    channels, against 26 ms for PyTorch's oneDNN. Split by the parity of the input pixel
+    every 4 products are with an inserted zero. Split by the parity of the input pixel
     instead, each phase is a small stride-1 convolution of the undilated gradient (the
     sub-pixel view of a transposed convolution, Shi et al. 2016, "Real-Time Single Image and
-    Video Super-Resolution Using an Efficient Sub-Pixel CNN"): 39-41 ms for the same sizes.
+    Video Super-Resolution Using an Efficient Sub-Pixel CNN"), about twice as fast.
     Being a ``custom_vjp``, it has no forward-mode derivative (``jax.jvp``) on the CPU backend
     while training; reverse mode, ``vmap`` and ``jit`` are as before.
     """
@@ -187,18 +180,15 @@ def cpu_max_pool(x: jax.Array) -> jax.Array:
     to train: the same values, and the same gradient (to the first maximum of each window).
 
     XLA's CPU backend expands the gradient of ``nn.max_pool`` (a select-and-scatter) into a
-    reduce-window that carries int32 index arrays beside the values, then a scatter: 76-81 ms
-    for ResNet-50's stem at 96 px, batch 32 (48x48x64 maps), 7% of the forward and backward.
-    Here the forward keeps, per output, which of the 9 taps won (the first maximum in row-major
-    window order, as XLA's select-and-scatter picks it), and the backward routes each output's
-    gradient to that tap, one parity phase of the input at a time as ``_conv3x3_stride2_bwd``
-    does: 7-10 ms alone, 14 ms in the MoCo step. The step (ResNet-50, 96 px, batch 32,
-    interleaved in one process on the 2-core CI machine) ran 1-5% faster: 1503 against
-    1589 ms, 1573 against 1609 ms (11 of 14 rounds faster) and 1542 against 1556 ms in three
-    runs. Keeping the winning tap, not recomparing with the input in the backward, matters:
-    XLA recomputes a fused input (batch norm, ReLU) inside each consumer, and two
-    recomputations need not round alike, which broke ties (and the stem's gradient) on a
-    first try. Like ``_conv3x3_stride2`` it is a ``custom_vjp``: no ``jax.jvp`` through it.
+    reduce-window that carries int32 index arrays beside the values, then a scatter (7% of a
+    ResNet-50 forward and backward at 96 px). Here the forward keeps, per output, which of the
+    9 taps won (the first maximum in row-major window order, as XLA's select-and-scatter picks
+    it), and the backward routes each output's gradient to that tap, one parity phase of the
+    input at a time as ``_conv3x3_stride2_bwd`` does. Keeping the winning tap, not recomparing
+    with the input in the backward, matters: XLA recomputes a fused input (batch norm, ReLU)
+    inside each consumer, and two recomputations need not round alike, which would break ties
+    (and the stem's gradient). Like ``_conv3x3_stride2`` it is a ``custom_vjp``: no
+    ``jax.jvp`` through it.
     """
     return _max_pool(x, x.shape[1:3])
 
@@ -239,8 +229,7 @@ def _max_pool_bwd(size, winner, dy):
     n, ho, wo, c = dy.shape
     # Divided by a runtime 1 (the winning tap is never negative), so that XLA computes the
     # incoming gradient once instead of inside each of the nine taps that read it (see
-    # cpu_convolution). Without this, the MoCo R50@96 step gained nothing (1588 ms against
-    # lax's 1589, and 1503 with it, interleaved in one run).
+    # cpu_convolution); without it the step gains nothing over lax's max-pool.
     one = (winner.reshape(-1)[0] >= 0).astype(dy.dtype)
     dy = dy / one
     zero = jnp.zeros((), dy.dtype)
@@ -260,7 +249,7 @@ def _max_pool_bwd(size, winner, dy):
         rows.append(jnp.stack(cols, axis=3))  # (n, m, q, parity_w, c)
     dx = jnp.stack(rows, axis=2).reshape(n, 2 * ho, 2 * wo, c)[:, : size[0], : size[1]]
     # Once more, so that what reads dx (the stem's batch-norm gradient) reads a buffer instead
-    # of computing the interleaving inside its own loop (58 ms there, in the MoCo step).
+    # of computing the interleaving inside its own loop.
     return (dx / one,)
 
 

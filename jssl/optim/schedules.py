@@ -19,12 +19,12 @@ and ``auto_lr_scaling`` as ``vissl/utils/hydra_config.py`` rewrites the schedule
 The rate at optimizer step ``k`` is VISSL's at ``where = k / total_steps``: ClassyVision sets
 the rate from ``task.where`` right before each update and counts the update afterwards.
 Where VISSL's float64 arithmetic decides a jump (the warmup's end, a restart), the step it
-happens at is found on the host in float64, so the jump falls on VISSL's step.
+happens at is found on the host in float64, so the jump falls on VISSL's step. The restarts'
+waves are in :mod:`jssl.optim.restart_schedules`.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,16 +32,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from absl import logging
+
+from jssl.optim.restart_schedules import RESTART_WAVE_TYPES, cosine_warm_restart, first_step_where
 
 Schedule = Callable[[jax.Array], jax.Array]
 
 SCHEDULES = ("multistep", "cosine", "constant", "cosine_warm_restart", "inverse_sqrt")
 LR_SCALINGS = ("linear", "sqrt")
 INTERVAL_SCALINGS = ("rescaled", "fixed")
-RESTART_WAVE_TYPES = ("half", "full")
 
 # fvcore/ClassyVision ParamScheduler.WHERE_EPSILON: the composite scheduler moves on to its
 # next part once ``where + WHERE_EPSILON`` passes a boundary.
@@ -199,26 +199,6 @@ def _check_warmup_fraction(optim_config: ml_collections.ConfigDict, fraction: fl
         )
 
 
-def _first_step(total: int, reached: Callable[[int], bool]) -> int:
-    """The first step in ``[0, total]`` at which ``reached`` (monotone, evaluated on the host in
-    float64 as VISSL evaluates it) holds; ``total + 1`` if none."""
-    low, high = 0, total + 1
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if reached(middle) else (middle + 1, high)
-    return low
-
-
-def _changes(total: int, first: int, value_at: Callable[[int], int]) -> tuple[jax.Array, list]:
-    """``value_at`` (integer, non-decreasing in the step) from step ``first`` on, as the steps
-    where it changes and its values: at ``step`` it is ``values[sum(step >= changes)]``."""
-    values, changes = [value_at(first)], []
-    while (step := _first_step(total, lambda k, v=values[-1]: value_at(k) > v)) <= total:
-        changes.append(step)
-        values.append(value_at(step))
-    return jnp.asarray(changes, jnp.int32), values
-
-
 def _vissl_composite(
     optim_config: ml_collections.ConfigDict,
     scaling: str,
@@ -247,9 +227,22 @@ def _vissl_composite(
         begin = (warmup_fraction + length) - length  # as fvcore rounds it
     first_main_step = 0
     if warmup_fraction > 0:  # fvcore moves on once where + WHERE_EPSILON passes the warmup
-        first_main_step = _first_step(total, lambda k: k / total + WHERE_EPSILON > warmup_fraction)
+        first_main_step = first_step_where(
+            total, lambda k: k / total + WHERE_EPSILON > warmup_fraction
+        )
     if optim_config.schedule == "cosine_warm_restart":
-        main = _cosine_warm_restart(optim_config, peak, total, first_main_step, begin, length)
+        main = cosine_warm_restart(
+            peak,
+            peak * optim_config.final_lr_fraction,  # VISSL: scaled_lr * end_value / start_value
+            total,
+            first_main_step,
+            begin,
+            length,
+            interval=float(_get(optim_config, "restart_interval_length")),
+            wave=_choice(optim_config, "restart_wave_type", RESTART_WAVE_TYPES),
+            adaptive=_get(optim_config, "restart_adaptive"),
+            multiplier=_get(optim_config, "restart_lr_multiplier"),
+        )
     elif warmup_fraction > 0 and scaling == "rescaled":
         raise ValueError(
             "optim.schedule='inverse_sqrt' after a warmup needs the global progress: rescaled, "
@@ -270,77 +263,6 @@ def _vissl_composite(
         linear_where = step.astype(jnp.float32) / total / warmup_fraction
         linear = peak * linear_where + start * (1.0 - linear_where)
         return jnp.where(step < first_main_step, linear, main(step))
-
-    return schedule
-
-
-def _cosine_warm_restart(
-    optim_config: ml_collections.ConfigDict,
-    peak: float,
-    total: int,
-    first_step: int,
-    begin: float,
-    length: float,
-) -> Schedule:
-    """VISSL's CosineWarmRestartScheduler
-    (``vissl/optimizers/param_scheduler/cosine_warm_restart_scheduler.py``) from ``peak`` to
-    ``end = peak * final_lr_fraction`` (``get_scaled_lr_scheduler`` scales it as a cosine), on
-    ``where = (k / total - begin) / length`` from ``first_step`` on.
-
-    With ``L = restart_interval_length`` the restarts are ``[0] + arange(L, 1, L)`` (half) or
-    ``[0] + arange(L, 1, 2L)`` (full); restart ``i = max(bisect(restarts, where) - 1, 0)`` has
-    the peak ``peak * lr_multiplier**i``, or with ``is_adaptive`` the plain cosine's value at
-    the restart (half) or at ``L + restart`` (full, the first wave too, which so starts below
-    ``peak``). The rate is ``end + 0.5 * (wave_peak - end) * (1 + cos(pi * w))`` with
-    ``w = (where % L) / L`` (half: falls, jumps back) or ``where / L`` (full: falls and rises,
-    the peak changing at the troughs).
-    """
-    interval = float(_get(optim_config, "restart_interval_length"))
-    wave = _choice(optim_config, "restart_wave_type", RESTART_WAVE_TYPES)
-    if not interval > 0:
-        raise ValueError(
-            f"optim.restart_interval_length={interval} must be > 0 (a fraction of the run "
-            "after the warmup); set --config.optim.restart_interval_length."
-        )
-    end = peak * optim_config.final_lr_fraction  # VISSL: scaled_lr * end_value / start_value
-    restarts = [0.0] + np.arange(interval, 1.0, interval * (1 if wave == "half" else 2)).tolist()
-    if _get(optim_config, "restart_adaptive"):
-        shift = 0.0 if wave == "half" else interval
-        peaks = [end + 0.5 * (peak - end) * (1 + math.cos(math.pi * (shift + r))) for r in restarts]
-    else:
-        peaks = [
-            peak * _get(optim_config, "restart_lr_multiplier") ** i for i in range(len(restarts))
-        ]
-
-    def where(k: int) -> float:  # the host float64 where, as fvcore computes it
-        return (k / total - begin) / length
-
-    # The wave (bisect) and the interval of length L (Python's float %, i.e. divmod) each step
-    # is in, as VISSL's float64 decides them.
-    wave_changes, waves = _changes(
-        total, first_step, lambda k: max(bisect.bisect(restarts, where(k)) - 1, 0)
-    )
-    interval_changes, intervals = _changes(
-        total, first_step, lambda k: int(divmod(where(k), interval)[0])
-    )
-    wave_peaks = jnp.asarray([peaks[i] for i in waves], jnp.float32)
-    # The step (float64) at which each interval begins, as whole steps and a fraction so that
-    # the step's offset from it is accurate in float32 late in a long run.
-    starts = [total * (begin + length * n * interval) for n in intervals]
-    starts_whole = jnp.asarray([math.floor(x) for x in starts], jnp.int32)
-    starts_fraction = jnp.asarray([x - math.floor(x) for x in starts], jnp.float32)
-    odd = jnp.asarray([n % 2 == 1 for n in intervals])
-
-    def schedule(step):
-        i = jnp.sum(step >= interval_changes)
-        offset = (step - starts_whole[i]).astype(jnp.float32) - starts_fraction[i]
-        within = jnp.clip(offset / (total * length * interval), 0.0, 1.0)  # (where % L) / L
-        # 0.5 * (1 + cos(pi * (n + within))), n intervals in (0 for half waves), as cos^2 or,
-        # n odd, sin^2 of pi / 2 * within: accurate in float32 near the troughs.
-        factor = jnp.square(jnp.cos(0.5 * jnp.pi * within))
-        if wave == "full":
-            factor = jnp.where(odd[i], jnp.square(jnp.sin(0.5 * jnp.pi * within)), factor)
-        return end + (wave_peaks[jnp.sum(step >= wave_changes)] - end) * factor
 
     return schedule
 
@@ -369,14 +291,11 @@ def _warmup_then(
 def computed_once(schedule: Schedule) -> Schedule:
     """``schedule`` with the same values, computed once per step instead of once per parameter.
 
-    optax evaluates a rate once per update and multiplies every leaf by it, but XLA's CPU
-    fusion copies cheap scalar arithmetic into each consumer: every parameter's update fusion
-    recomputed the rate. For ResNet-18's MoCo step at batch 64 the multistep rate (held per
-    epoch) was 4.3k of its 21.1k HLO instructions, compiled for nothing.
-    ``jax.lax.optimization_barrier`` does not stop it (the CPU pipeline expands barriers before
-    fusing), and XLA simplifies away an identity ``cond`` or a reduction of a repeated value. A
-    sort is neither fused nor simplified, so sorting two copies of the rate fences it off: the
-    rate's ops run once, in their own fusion, and each update reads the result.
+    XLA's CPU fusion copies cheap scalar arithmetic into each consumer, so every parameter's
+    update fusion would recompute the rate (a fifth of ResNet-18's MoCo step in HLO
+    instructions). ``jax.lax.optimization_barrier`` does not stop it (the CPU pipeline expands
+    barriers before fusing) and an identity ``cond`` is simplified away; a sort of two copies of
+    the rate is neither fused nor simplified, so the rate's ops run once, in their own fusion.
     """
 
     def once(step):

@@ -3,12 +3,14 @@
 The train step records the first step whose loss or gradients were non-finite and then keeps
 the previous parameters (jssl.training.step), but an update can still leave a non-finite
 state behind a finite loss, e.g. batch-norm running variances that overflow. So the state
-itself is checked too, field by field, and a non-finite one is never saved.
+itself is checked too, field by field, and a non-finite one is never saved. ``all_finite`` is
+the one flag both compute.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +27,20 @@ FIELDS = (
     "method_state",
     "probe",
 )
-# As in jssl.training.step: leaves this large are checked where they lie, the rest in one
-# concatenation (one kernel instead of one per leaf, which XLA's CPU backend is slow to compile).
+# Leaves of at least this many elements are checked where they lie instead of being copied
+# into the concatenation: Barlow Twins' and VICReg's 8192x8192 projector layers.
 _CHECK_IN_PLACE = 1 << 22
 
 
-def _all_finite(tree) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every floating-point leaf of ``tree`` is finite, as one scalar
+    (the train step's guard on its loss and gradients, and this module's check of the state).
+
+    One check over the concatenation of the leaves, not one per leaf: XLA's CPU backend compiles
+    each per-leaf reduction as its own kernel (0.6-0.8 s of a ResNet-18 step's compile on 2
+    cores). The copy is made after the backward pass has freed its activations, so peak memory
+    does not grow, except for the largest leaves, which are checked in place.
+    """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     flags = [jnp.all(jnp.isfinite(x)) for x in leaves if x.size >= _CHECK_IN_PLACE]
     small = [jnp.ravel(x) for x in leaves if x.size < _CHECK_IN_PLACE]
@@ -41,7 +51,7 @@ def _all_finite(tree) -> jax.Array:
 
 @jax.jit
 def _finite_fields(state: TrainState) -> dict[str, jax.Array]:
-    return {name: _all_finite(getattr(state, name)) for name in FIELDS}
+    return {name: all_finite(getattr(state, name)) for name in FIELDS}
 
 
 def nonfinite_fields(state: TrainState) -> list[str]:

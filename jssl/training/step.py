@@ -25,35 +25,8 @@ from jssl.methods import Method
 from jssl.methods.common import mean_over_devices
 from jssl.parallel import DATA_AXIS
 from jssl.training import probe as online_probe
+from jssl.training.finite import all_finite
 from jssl.training.state import TrainState
-
-# Leaves of at least this many elements are checked where they lie instead of being
-# concatenated (a copy): Barlow Twins' and VICReg's 8192x8192 projector layers.
-_CHECK_IN_PLACE = 1 << 22
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every floating-point leaf is finite, as one scalar.
-
-    One check over the concatenation of the leaves, not one per leaf: XLA's CPU backend
-    compiles each per-leaf reduction as its own kernel (ResNet-18's MoCo step: 62 is-finite
-    reductions and the ``or`` tree combining them, 1.1k HLO instructions and 0.6-0.8 s of
-    its 2-core compile time; a count of the flags, rather than ``jnp.all`` of them, had
-    already removed 4 s of duplicated fusions). The concatenation is a copy of the
-    gradients (50 MB at ResNet-18, 100 MB at ResNet-50), made after the backward pass has
-    freed its activations: peak memory did not grow, and the step time moved less than its
-    noise (ResNet-50 96 px, 1.65 s per step on 2 cores). Leaves of ``_CHECK_IN_PLACE``
-    elements or more get their own check: copying Barlow Twins' two 8192x8192 projector
-    gradients as well took its step's temporary memory (ResNet-18, 32 px, batch 64, XLA's
-    ``memory_analysis``) from 1,724 to 1,983 MiB, against 1,493 for the same step without
-    jssl's machinery (benchmarks/bare_step.py).
-    """
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    flags = [jnp.all(jnp.isfinite(x)) for x in leaves if x.size >= _CHECK_IN_PLACE]
-    small = [jnp.ravel(x) for x in leaves if x.size < _CHECK_IN_PLACE]
-    if small:
-        flags.append(jnp.all(jnp.isfinite(jnp.concatenate(small))))
-    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
 def make_train_step(
@@ -82,8 +55,8 @@ def make_train_step(
 
     def replica_mean(tree):
         # Over one device the mean is the value itself, but XLA still emits the all-reduce
-        # and gives every gradient a second buffer: Barlow Twins' step (8192x8192 projector,
-        # ResNet-18 32 px, batch 64) needed 1,724 MiB of temporaries with it, 1,529 without.
+        # and gives every gradient a second buffer (13% more temporary memory in Barlow
+        # Twins' step, with its 8192x8192 projector).
         return tree if replicas == 1 else jax.lax.pmean(tree, DATA_AXIS)
 
     def per_replica(state: TrainState, batch: Any, stop: jax.Array):
@@ -113,7 +86,7 @@ def make_train_step(
             )
             metrics = dict(metrics, **probe_metrics)
             checked = (*checked, probe_metrics["probe/loss"])
-        finite = _all_finite(checked)
+        finite = all_finite(checked)
 
         def updated(state):
             param_updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -138,9 +111,8 @@ def make_train_step(
         # previous state and records the step, so the host can stop with a precise message
         # and the last checkpoint stays valid.
         # One cond rather than a select per leaf of the state: the selects (and the flag each
-        # recomputed) were a fifth of the step's HLO instructions (ResNet-18 MoCo: 16.9k,
-        # 13.7k with the cond) and 1.5-2 s of its compile time on 2 CPU cores; the step is no
-        # slower. Every replica takes the same branch: ``finite`` comes from pmeans.
+        # recomputed) were a fifth of the step's HLO instructions; the step is no slower.
+        # Every replica takes the same branch: ``finite`` comes from pmeans.
         new_state = jax.lax.cond(finite, updated, kept, state)
 
         metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))

@@ -9,8 +9,7 @@ import shutil
 import pytest
 from test_init_weights import STEPS, make_config, make_sources, make_state
 
-from jssl.checkpoints import warm_start, weights
-from jssl.checkpoints import workdir as workdir_lib
+from jssl.checkpoints import run_config, warm_start, weights
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,7 @@ def test_mismatch_names_the_flags_of_the_source_workdir(sources, tmp_path):
     """A workdir's config.json gives the exact flags that make the model fit, from the
     workdir itself or any checkpoint in it; fields that already match are not listed."""
     workdir = shutil.copytree(sources[0], tmp_path / "source")
-    workdir_lib.record_config(make_config(), str(workdir), resuming=True, force=False)
+    run_config.record_config(make_config(), str(workdir), resuming=True, force=False)
     config = make_config(width_multiplier=0.25, head_dims=(128, 32, 16))
     step_dir = os.path.join(workdir, "checkpoints", str(STEPS[-1]))
     flags = "--config.model.head_dims='(64, 32, 16)' --config.model.width_multiplier=0.125"

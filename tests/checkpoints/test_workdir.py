@@ -13,6 +13,7 @@ import jax
 import pytest
 
 from configs import moco
+from jssl.checkpoints import run_config
 from jssl.checkpoints import workdir as workdir_lib
 
 _HOLD_LOCK = """
@@ -79,27 +80,27 @@ def _config(**overrides):
 
 
 def _changes(path) -> list:
-    with open(path / workdir_lib.CHANGES_FILE) as f:
+    with open(path / run_config.CHANGES_FILE) as f:
         return json.load(f)
 
 
 def test_the_first_config_is_kept_and_an_unchanged_one_passes(tmp_path):
     config = _config()
-    assert workdir_lib.record_config(config, str(tmp_path), resuming=False, force=False) == []
+    assert run_config.record_config(config, str(tmp_path), resuming=False, force=False) == []
     saved = (tmp_path / "config.json").read_text()
     assert json.loads(saved)["data"]["batch_size"] == config.data.batch_size
     # Tuples come back from JSON as lists: still the same config.
     assert isinstance(config.data.augment.crop_scale, tuple)
-    assert workdir_lib.record_config(config, str(tmp_path), resuming=True, force=False) == []
+    assert run_config.record_config(config, str(tmp_path), resuming=True, force=False) == []
     assert (tmp_path / "config.json").read_text() == saved
-    assert not (tmp_path / workdir_lib.CHANGES_FILE).exists()
+    assert not (tmp_path / run_config.CHANGES_FILE).exists()
 
 
 def test_safe_changes_are_allowed_and_recorded_once(tmp_path):
-    workdir_lib.record_config(_config(), str(tmp_path), resuming=False, force=False)
+    run_config.record_config(_config(), str(tmp_path), resuming=False, force=False)
     original = (tmp_path / "config.json").read_text()
     changed = _config(**{"log_every_steps": 7, "debug.max_steps": 3, "knn.k": 5})
-    lines = workdir_lib.record_config(changed, str(tmp_path), resuming=True, force=False)
+    lines = run_config.record_config(changed, str(tmp_path), resuming=True, force=False)
     log_every = _config().log_every_steps
     assert f"log_every_steps: {log_every} -> 7" in lines
     assert any(line.startswith("debug.max_steps:") and line.endswith("-> 3") for line in lines)
@@ -109,17 +110,17 @@ def test_safe_changes_are_allowed_and_recorded_once(tmp_path):
     assert entry["changes"]["log_every_steps"] == {"old": log_every, "new": 7}
     assert entry["resuming"] and not entry["forced"]
     # The next restart of the same command compares with the config in effect: no new entry.
-    assert workdir_lib.record_config(changed, str(tmp_path), resuming=True, force=False) == []
+    assert run_config.record_config(changed, str(tmp_path), resuming=True, force=False) == []
     assert len(_changes(tmp_path)) == 1
 
 
 @pytest.mark.parametrize("resuming", [True, False])
 def test_a_change_that_alters_the_run_is_refused_with_the_fields(tmp_path, resuming):
-    workdir_lib.record_config(_config(), str(tmp_path), resuming=False, force=False)
+    run_config.record_config(_config(), str(tmp_path), resuming=False, force=False)
     original = (tmp_path / "config.json").read_text()
     changed = _config(**{"data.batch_size": 32, "optim.base_lr": 0.5, "log_every_steps": 7})
-    with pytest.raises(workdir_lib.ConfigChangedError) as info:
-        workdir_lib.record_config(changed, str(tmp_path), resuming=resuming, force=False)
+    with pytest.raises(run_config.ConfigChangedError) as info:
+        run_config.record_config(changed, str(tmp_path), resuming=resuming, force=False)
     message = str(info.value)
     base = _config()
     assert f"data.batch_size: {base.data.batch_size} -> 32" in message
@@ -128,36 +129,36 @@ def test_a_change_that_alters_the_run_is_refused_with_the_fields(tmp_path, resum
     assert str(tmp_path / "config.json") in message
     assert "--config.checkpoint.allow_config_change=True" in message and "--workdir" in message
     assert (tmp_path / "config.json").read_text() == original
-    assert not (tmp_path / workdir_lib.CHANGES_FILE).exists()
+    assert not (tmp_path / run_config.CHANGES_FILE).exists()
 
 
 def test_a_forced_change_is_recorded_and_the_original_config_kept(tmp_path):
-    workdir_lib.record_config(_config(), str(tmp_path), resuming=False, force=False)
+    run_config.record_config(_config(), str(tmp_path), resuming=False, force=False)
     original = (tmp_path / "config.json").read_text()
     changed = _config(**{"num_epochs": 9, "checkpoint.allow_config_change": True})
-    lines = workdir_lib.record_config(changed, str(tmp_path), resuming=True, force=True)
+    lines = run_config.record_config(changed, str(tmp_path), resuming=True, force=True)
     assert any(line.startswith("num_epochs:") and line.endswith("-> 9") for line in lines)
     [entry] = _changes(tmp_path)
     assert entry["forced"] and entry["changes"]["num_epochs"]["new"] == 9
     assert (tmp_path / "config.json").read_text() == original
     # Once accepted, rerunning the same command does not need the flag again.
     again = _config(**{"num_epochs": 9})
-    assert workdir_lib.record_config(again, str(tmp_path), resuming=True, force=False) == [
+    assert run_config.record_config(again, str(tmp_path), resuming=True, force=False) == [
         "checkpoint.allow_config_change: true -> false"
     ]
 
 
 def test_only_process_0_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    workdir_lib.record_config(_config(), str(tmp_path), resuming=False, force=False)
+    run_config.record_config(_config(), str(tmp_path), resuming=False, force=False)
     assert not (tmp_path / "config.json").exists()
 
 
 def test_safe_fields():
     for field in ("log_every_steps", "debug.max_steps", "knn.k", "checkpoint.max_to_keep"):
-        assert workdir_lib.is_safe(field), field
+        assert run_config.is_safe(field), field
     for field in ("num_epochs", "seed", "data.batch_size", "model.trunk", "method.name"):
-        assert not workdir_lib.is_safe(field), field
+        assert not run_config.is_safe(field), field
 
 
 def test_fields_of_another_jssl_version_are_recorded_not_refused(tmp_path):
@@ -166,7 +167,7 @@ def test_fields_of_another_jssl_version_are_recorded_not_refused(tmp_path):
     del old["optim"]["lr_scaling"]
     old["optim"]["retired_field"] = 1
     (tmp_path / "config.json").write_text(json.dumps(old))
-    lines = workdir_lib.record_config(_config(), str(tmp_path), resuming=True, force=False)
+    lines = run_config.record_config(_config(), str(tmp_path), resuming=True, force=False)
     assert sorted(lines) == [
         'optim.lr_scaling: <absent> -> "linear"',
         "optim.retired_field: 1 -> <absent>",
@@ -178,11 +179,11 @@ def test_a_scalar_probability_of_an_older_workdir_equals_its_one_group_tuple(tmp
     old = json.loads(_config().to_json_best_effort())
     old["data"]["augment"]["blur_prob"] = old["data"]["augment"]["blur_prob"][0]
     (tmp_path / "config.json").write_text(json.dumps(old))
-    assert workdir_lib.record_config(_config(), str(tmp_path), resuming=True, force=False) == []
+    assert run_config.record_config(_config(), str(tmp_path), resuming=True, force=False) == []
     changed = _config()
     changed.data.augment.blur_prob = (0.9,)
-    with pytest.raises(workdir_lib.ConfigChangedError, match="data.augment.blur_prob"):
-        workdir_lib.record_config(changed, str(tmp_path), resuming=True, force=False)
+    with pytest.raises(run_config.ConfigChangedError, match="data.augment.blur_prob"):
+        run_config.record_config(changed, str(tmp_path), resuming=True, force=False)
 
 
 class _StartUpError(RuntimeError):
@@ -193,28 +194,28 @@ def test_a_run_failing_before_its_first_checkpoint_leaves_no_config(tmp_path):
     # Else the corrected rerun would be refused as a change of a run that never started.
     with pytest.raises(_StartUpError):
         with workdir_lib.open_run(_config(), str(tmp_path)):
-            assert (tmp_path / workdir_lib.CONFIG_FILE).exists()
+            assert (tmp_path / run_config.CONFIG_FILE).exists()
             raise _StartUpError("an engine's own start-up check")
-    assert not (tmp_path / workdir_lib.CONFIG_FILE).exists()
+    assert not (tmp_path / run_config.CONFIG_FILE).exists()
     with workdir_lib.open_run(_config(**{"data.batch_size": 32}), str(tmp_path)) as changes:
         assert changes == []
 
 
 def test_a_config_json_of_an_earlier_launch_or_with_checkpoints_is_kept(tmp_path):
     # An earlier launch's config (a restart that fails again): never removed.
-    workdir_lib.record_config(_config(), str(tmp_path), resuming=False, force=False)
-    original = (tmp_path / workdir_lib.CONFIG_FILE).read_text()
+    run_config.record_config(_config(), str(tmp_path), resuming=False, force=False)
+    original = (tmp_path / run_config.CONFIG_FILE).read_text()
     with pytest.raises(_StartUpError):
         with workdir_lib.open_run(_config(), str(tmp_path)):
             raise _StartUpError("again")
-    assert (tmp_path / workdir_lib.CONFIG_FILE).read_text() == original
+    assert (tmp_path / run_config.CONFIG_FILE).read_text() == original
     # A first launch that saved a checkpoint before failing: its config stays for the resume.
     other = tmp_path / "other"
     with pytest.raises(_StartUpError):
         with workdir_lib.open_run(_config(), str(other)):
             os.makedirs(other / "checkpoints" / "4")
             raise _StartUpError("after the first checkpoint")
-    assert (other / workdir_lib.CONFIG_FILE).exists()
+    assert (other / run_config.CONFIG_FILE).exists()
 
 
 def test_a_workdir_that_is_a_file_is_a_clear_error(tmp_path):

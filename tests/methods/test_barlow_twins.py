@@ -1,7 +1,7 @@
 """Barlow Twins: its terms on hand-computed cases, the config weights giving VISSL's loss, the
-loss and gradient on 1 vs 4 devices (tests/decorrelation_parity.py) and the train step on 1 vs
-4 devices (tests/test_parallel.py), presets and start-up checks. The contract and a run end to
-end: test_contract.py."""
+loss and gradient on 1 vs 4 devices (tests/support/decorrelation_parity.py) and the train step
+on 1 vs 4 devices (tests/training/test_parallel.py), presets and start-up checks. The contract:
+test_contract.py; a run end to end: test_contract_runs.py."""
 
 import os
 import subprocess

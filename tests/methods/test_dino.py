@@ -1,7 +1,7 @@
 """DINO: its loss on hand-computed cases, the centre and teacher-temperature schedules, the
 weight-normalised last layer, the weight-decay schedule and per-parameter clipping, the
 state updates in the real step (frozen last layer, EMA teacher, centre), 1 vs 4 devices,
-presets, start-up checks, and a ViT run end to end (the ResNet's: test_contract.py)."""
+presets, start-up checks, and a ViT run end to end (the ResNet's: test_contract_runs.py)."""
 
 import math
 

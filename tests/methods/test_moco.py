@@ -137,7 +137,7 @@ def test_cosine_momentum_schedule():
 def test_all_finite_sees_one_bad_element_in_any_leaf():
     """The guard's flag: any inf or NaN in any floating leaf (whatever its dtype or shape)
     makes it False, integer leaves are ignored, and it is computed inside jit."""
-    from jssl.training.step import _CHECK_IN_PLACE, _all_finite
+    from jssl.training.finite import _CHECK_IN_PLACE, all_finite
 
     tree = {
         "loss": jnp.float32(0.5),
@@ -146,7 +146,7 @@ def test_all_finite_sees_one_bad_element_in_any_leaf():
         "count": jnp.arange(4, dtype=jnp.int32),
         "big": jnp.ones((_CHECK_IN_PLACE // 8, 8), jnp.float32),  # checked on its own
     }
-    flag = jax.jit(_all_finite)
+    flag = jax.jit(all_finite)
     assert bool(flag(tree)) and bool(flag({"count": tree["count"]}))
     assert bool(flag({"big": tree["big"]}))
     for name, index in (("loss", ()), ("w", (2, 3, 4)), ("b", (6,)), ("big", (-1, 7))):

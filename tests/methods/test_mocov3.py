@@ -1,7 +1,7 @@
 """MoCo v3: its loss on hand-computed cases and against a plain loop (keys get no gradient),
 the momentum encoder in the real step (cosine momentum, updated after the step, no predictor),
 the frozen patch projection, presets, start-up checks (1 vs 4 devices:
-tests/training/test_parallel.py; the contract and a run end to end: test_contract.py)."""
+tests/training/test_parallel.py; the contract and a run end to end: test_contract*.py)."""
 
 import jax
 import jax.numpy as jnp

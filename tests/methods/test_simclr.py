@@ -1,6 +1,6 @@
 """SimCLR's presets and start-up checks. Its loss (global negatives, gradients through the
 gather) is tested in test_losses*.py, its step on 1 vs 4 devices in test_parallel.py, the
-contract and a multi-crop run end to end in test_contract.py."""
+contract in test_contract.py and a multi-crop run end to end in test_contract_runs.py."""
 
 import pytest
 

@@ -1,7 +1,7 @@
 """SimSiam: its loss on hand-computed cases (the stop-gradient branch gets no gradient), its
 state in the real step (predictor subtree, its batch norm), presets, start-up checks (1 vs 4
 devices: tests/training/test_parallel.py; the contract and a run end to end:
-test_contract.py)."""
+test_contract*.py)."""
 
 import jax
 import jax.numpy as jnp

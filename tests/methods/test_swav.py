@@ -2,7 +2,7 @@
 filling and switching on), its loss terms per assignment crop (their sum is the single loss of
 before, a zero weight drops a crop's targets, each is logged), presets and start-up checks.
 The loss and Sinkhorn are tested in test_losses*.py; 1 vs 4 devices in test_parallel.py; the
-contract and a run end to end (each term written and logged) in test_contract.py."""
+contract and a run end to end (each term written and logged) in test_contract*.py."""
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,7 @@ def test_bad_settings_name_the_field(field, value, message):
 
 
 def test_frozen_then_normalised_prototypes_and_the_queue(shared_dirs):
-    # The step of the end-to-end run in test_contract.py (same config, probe included), so the
+    # The step of the end-to-end run in test_contract_runs.py (same config, probe included), so the
     # persistent compilation cache serves one of them to the other.
     config = swav.get_config("test")  # queue of 2 batches, on from step 2; frozen 2 steps
     steps_per_epoch = 4  # 64 examples / batch 16

@@ -1,6 +1,7 @@
 """VICReg: its terms on hand-computed cases, the loss and gradient on 1 vs 4 devices
-(tests/decorrelation_parity.py) and the train step on 1 vs 4 devices (tests/test_parallel.py),
-presets and start-up checks. The contract and a run end to end: test_contract.py."""
+(tests/support/decorrelation_parity.py), the train step on 1 vs 4 devices
+(tests/training/test_parallel.py), presets and start-up checks. The contract and a run end to
+end: test_contract*.py."""
 
 import os
 import subprocess
