@@ -37,15 +37,17 @@ def run_case(name: str, num_batches: int) -> dict:
     import numpy as np
 
     from configs import extract_features
-    from jssl import methods, parallel
+    from jssl import parallel
+    from jssl.checkpoints import weights
     from jssl.engines import extract_features as extract_engine
     from jssl.evaluation import features, pooling
+    from jssl.evaluation.batches import from_host_batches
 
     spec = CASES[name]
     config = extract_features.get_config(spec["preset"])
     batch, size = spec["batch"], config.data.image_size
     mesh = parallel.make_mesh()
-    model = methods.get(config).model
+    model = weights.trunk_model(config)  # the engine's model for trunk layers
     variables = jax.jit(
         lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, size, size, 3)), train=False),
         out_shardings=parallel.replicated(mesh),
@@ -69,7 +71,9 @@ def run_case(name: str, num_batches: int) -> dict:
     shapes = {k: v.shape[1:] for k, v in jax.eval_shape(extract_fn, variables, images).items()}
     with tempfile.TemporaryDirectory() as out:
         writer = extract_engine._SplitWriter(out, shapes, num)
-        stream = features.iterate_features(lambda x: extract_fn(variables, x), batches(), mesh)
+        stream = features.iterate_features(
+            lambda x: extract_fn(variables, x), from_host_batches(batches(), mesh)
+        )
         start = time.perf_counter()
         for step, (feats, labels, indices) in enumerate(stream):
             writer.write(feats, labels, indices)

@@ -14,22 +14,18 @@ wins, and a PyTorch file uses this preset's model fields (ResNet-50 by default).
 ``init.checkpoint`` is a jssl workdir, a ``checkpoints/<step>`` dir or a .torch/.pth file
 (trunk only); left empty, the workdir's own checkpoints are used.
 
-Presets: "" (ImageNet ResNet-50, VISSL's ResNet-50 pooling table), "demo" (the moco demo
-model on the demo data, 32 px), "test" (tiny, for the test suite).
+Presets: "" (ImageNet ResNet-50, VISSL's ResNet-50 pooling table), "demo" (the demos' ResNet
+on the demo data, 32 px), "test" (tiny, for the test suite).
 """
 
 import ml_collections
 
-from configs import moco
+from configs import base, recipes
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in ("", "imagenet", "demo", "test"):
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/extract_features.py: use '', 'demo' or 'test'."
-        )
-    c = moco.get_config(preset)
-    c.engine = "extract_features"
+    c = base.get_base_config()
+    recipes.evaluation(c, "extract_features", preset)
     c.extract = ml_collections.ConfigDict()
     e = c.extract
     # Dataset splits to extract. TFDS slices work: "train[:10%]" of 8000 examples is written

@@ -16,12 +16,12 @@ Writes ``workdir/results.json``: ``{"layer", "temperature", "num_train", "num_te
 "k<k>": {"top1", "top5"}, ...}`` and TensorBoard scalars ``knn/<layer>/k<k>/top1``.
 
 Presets: "" (ImageNet ResNet-50, VISSL k=200 T=0.1), "dino" (the same model, DINO's k and T),
-"demo" (the moco demo model on the demo data), "test" (tiny, for the test suite).
+"demo" (the demos' ResNet on the demo data), "test" (tiny, for the test suite).
 """
 
 import ml_collections
 
-from configs import moco
+from configs import base, recipes
 
 PRESETS = ("", "imagenet", "dino", "demo", "test")
 
@@ -29,8 +29,8 @@ PRESETS = ("", "imagenet", "dino", "demo", "test")
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
     if preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r} of configs/knn.py: use one of {PRESETS}.")
-    c = moco.get_config({"dino": ""}.get(preset, preset))
-    c.engine = "knn"
+    c = base.get_base_config()
+    recipes.evaluation(c, "knn", {"dino": ""}.get(preset, preset))
     k = c.knn
     # The train-time monitor's fields (configs/base.py) keep their meaning: layer,
     # temperature, train_split (the bank), test_split (the queries), batch_size (global,

@@ -17,13 +17,13 @@ enough; a ``--config.model.*`` flag wins, and a PyTorch file uses this preset's 
 (ResNet-50 by default).
 ``config.optim``, ``num_epochs`` and ``data.batch_size`` describe the training of the heads.
 
-Presets: "" / "imagenet" (VISSL's ResNet-50 recipe), "demo" (the moco demo model on the demo
+Presets: "" / "imagenet" (VISSL's ResNet-50 recipe), "demo" (the demos' ResNet on the demo
 data), "test" (tiny, for the test suite).
 """
 
 import ml_collections
 
-from configs import moco
+from configs import base, recipes
 
 PRESETS = ("", "imagenet", "demo", "test")
 
@@ -33,9 +33,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         raise ValueError(
             f"Unknown preset {preset!r} of configs/linear_eval.py: use one of {PRESETS}."
         )
-    c = moco.get_config(preset)
-    c.engine = "linear_eval"
-    c.knn.enabled = False
+    c = base.get_base_config()
+    recipes.evaluation(c, "linear_eval", preset)
 
     c.linear = ml_collections.ConfigDict()
     lin = c.linear

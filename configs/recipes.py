@@ -112,9 +112,8 @@ def demo_vit_trunk(c: ml_collections.ConfigDict, pos_embed_init: str) -> None:
     m.pos_embed_init = pos_embed_init
 
 
-def demo_data_and_model(c: ml_collections.ConfigDict) -> None:
-    """What every method's ``demo`` preset shares: the built-in demo data at 32 px, a small
-    ResNet-18 (2 CPU cores, a few minutes), and the kNN monitor printing learned vs random."""
+def demo_data(c: ml_collections.ConfigDict) -> None:
+    """The built-in demo data at 32 px (no download), batches of 128."""
     c.data.source = "demo"
     c.data.name = ""
     c.data.train_split = "train"
@@ -122,18 +121,29 @@ def demo_data_and_model(c: ml_collections.ConfigDict) -> None:
     c.data.image_size = 32
     c.data.batch_size = 128
     c.data.cache = True
+
+
+def demo_resnet(c: ml_collections.ConfigDict) -> None:
+    """The demos' ResNet-18 at a quarter of the width with a CIFAR stem (2 CPU cores, minutes).
+    Zero-init residuals make each block start as the identity; on a tiny net and a few hundred
+    steps that delay costs the whole run (measured: no learning in 6 epochs)."""
+    c.model.zero_init_residual = False
+    c.model.trunk = "resnet18"
+    c.model.width_multiplier = 0.25
+    c.model.cifar_stem = True
+
+
+def demo_data_and_model(c: ml_collections.ConfigDict) -> None:
+    """What every method's ``demo`` preset shares: the demo data and ResNet, augmentations for
+    32 px, and the kNN monitor printing learned vs random."""
+    demo_data(c)
     c.data.augment.crop_scale = (0.2, 1.0)
     c.data.augment.blur_prob = (0.0,)  # blur destroys 32 px shapes (SimCLR drops it on CIFAR)
     # The demo's nuisance is colour: strong distortion (SimCLR's s=1, Chen et al. 2020 Sec. 3)
     # and frequent grayscale keep the method from matching views by colour.
     c.data.augment.color_strength = 1.0
     c.data.augment.grayscale_prob = (0.5,)
-    # Zero-init residuals make each block start as the identity; on a tiny net and a
-    # few hundred steps that delay costs the whole run (measured: no learning in 6 epochs).
-    c.model.zero_init_residual = False
-    c.model.trunk = "resnet18"
-    c.model.width_multiplier = 0.25
-    c.model.cifar_stem = True
+    demo_resnet(c)
     c.log_every_steps = 20
     c.checkpoint.every_steps = 0
     c.test_every_epochs = 0
@@ -143,6 +153,33 @@ def demo_data_and_model(c: ml_collections.ConfigDict) -> None:
     c.knn.k = 20
     c.knn.temperature = 0.07
     c.knn.batch_size = 500
+
+
+def evaluation(c: ml_collections.ConfigDict, engine: str, preset: str) -> None:
+    """What the evaluation presets (knn, linear_eval, extract_features) start from: the data and
+    trunk of ``preset``, "" / "imagenet" (ImageNet at 224 px, ResNet-50: the model of a PyTorch
+    file), "demo" (the demo data and ResNet) or "test" (their tiny version). A jssl workdir's
+    own ``model.*`` fields replace these (jssl.checkpoints.source_model), and a layer that reads
+    the method's head takes the method from the evaluated workdir, so no method is set here."""
+    c.engine = engine
+    c.method.name = ""
+    if preset in ("", "imagenet"):
+        imagenet_data(c)
+        c.data.batch_size = 256
+        c.data.image_size = 224
+        c.model.trunk = "resnet50"
+        c.log_every_steps = 50
+    elif preset in ("demo", "test"):
+        demo_data(c)
+        demo_resnet(c)
+        c.log_every_steps = 20
+        if preset == "test":
+            tiny(c)
+    else:
+        raise ValueError(
+            f"Unknown preset {preset!r} of configs/{engine}.py: use '', 'imagenet', 'demo' or "
+            "'test'."
+        )
 
 
 def tiny(c: ml_collections.ConfigDict) -> None:

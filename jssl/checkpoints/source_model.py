@@ -2,7 +2,9 @@
 feature extraction) take the ``model.*`` fields recorded in the ``config.json`` of the jssl
 workdir they read, so ``--config.init.checkpoint=runs/dino_demo`` is enough to evaluate a
 DINO demo with any evaluation preset. A field given on the command line wins, and
-``--config.init.model_from_checkpoint=False`` turns the adoption off."""
+``--config.init.model_from_checkpoint=False`` turns the adoption off. A layer that reads the
+method's head builds it from that workdir's whole training config (``method_config``): the
+evaluation presets set no method of their own."""
 
 from __future__ import annotations
 
@@ -54,6 +56,35 @@ def adopt(
     if applied:
         logging.info("Model of %s, from its workdir's config.json: %s", path, " ".join(applied))
     return applied
+
+
+def method_config(config: ml_collections.ConfigDict, path: str) -> ml_collections.ConfigDict:
+    """The training config recorded with the weights at ``path`` (its workdir's config.json),
+    with ``config``'s model fields: what ``methods.get`` needs to build the online network
+    with the method's own head (DINO's prototypes, SwAV's, a predictor's input)."""
+    recorded = workdir_lib.recorded_config(path)
+    if not recorded.get("method.name"):
+        raise ValueError(
+            f"Layer 'head' is the output of the trained method's head, but {path} has no jssl "
+            "config.json naming the method (a PyTorch file holds a trunk alone). Evaluate trunk "
+            "layers instead (conv1, res2..res5, avgpool), or point --config.init.checkpoint at "
+            "the jssl workdir that trained the model."
+        )
+    tree: dict[str, Any] = {}
+    for field, value in recorded.items():
+        *parents, name = field.split(".")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[name] = _tuples(value)
+    source = ml_collections.ConfigDict(tree)
+    source.model = ml_collections.ConfigDict(config.model.to_dict())
+    return source
+
+
+def _tuples(value: Any) -> Any:
+    """JSON's lists back as the tuples that configs hold."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def _typed(value: Any, current: Any) -> Any:

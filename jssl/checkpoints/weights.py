@@ -89,8 +89,10 @@ def load_variables(
     *,
     mesh: Mesh | None = None,
     trunk_only: bool = False,
+    model: Any = None,
 ) -> dict[str, Any]:
-    """``{"params", "batch_stats"}`` of ``methods.get(config).model`` loaded from ``path``.
+    """``{"params", "batch_stats"}`` of ``methods.get(config).model`` (or ``model``) loaded
+    from ``path``.
 
     Args:
       path: a jssl workdir, its ``checkpoints`` dir, a step dir ``checkpoints/<step>``, or a
@@ -102,6 +104,8 @@ def load_variables(
       mesh: the arrays come back replicated over it (default: all devices).
       trunk_only: read only the trunk (the variables of ``trunk_model(config)``); the saved
         head, whatever its shape, is neither read nor checked.
+      model: the flax model to load into, when not the one ``config`` builds (an evaluation
+        reading a head with the method of the evaluated workdir).
 
     Raises:
       WeightsError: nothing readable at ``path``, or the weights do not fit ``config.model``.
@@ -112,7 +116,8 @@ def load_variables(
             "a checkpoint step dir (runs/demo/checkpoints/<step>) or a .torch/.pth file."
         )
     mesh = parallel.make_mesh() if mesh is None else mesh
-    model = trunk_model(config) if trunk_only else methods.get(config).model
+    if model is None:
+        model = trunk_model(config) if trunk_only else methods.get(config).model
     if path.endswith(TORCH_SUFFIXES):
         return _load_torch(path, config, model, mesh)
     expected = abstract_variables(config, model)

@@ -35,11 +35,11 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from jssl import data, methods, models, parallel
+from jssl import models, parallel
 from jssl.checkpoints import manager as checkpoint
-from jssl.checkpoints import weights
 from jssl.data import sources
-from jssl.evaluation import feature_store, features, pooling
+from jssl.evaluation import feature_store, features, frozen, pooling
+from jssl.evaluation.batches import eval_batches
 
 
 def make_extract_fn(
@@ -182,14 +182,8 @@ def _extract_split(
     )
     offset = bounds.start if bounds is not None else 0
     writer = _SplitWriter(directory, shapes, num, offset) if jax.process_index() == 0 else None
-    batches = data.build_eval_dataset(
-        config.data,
-        split,
-        batch_size=batch_size,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    ).as_numpy_iterator()
-    stream = features.iterate_features(lambda x: extract_fn(variables, x), batches, mesh)
+    batches = eval_batches(config.data, split, batch_size, mesh)
+    stream = features.iterate_features(lambda x: extract_fn(variables, x), batches)
 
     start = time.perf_counter()
     steady_start, steady_examples = None, 0
@@ -263,10 +257,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     pools = pooling.layer_pools(ecfg.pool, layers)
     mesh = parallel.make_mesh()
     # The trunk alone unless the head's output is asked for (see jssl.evaluation.frozen).
-    trunk_only = "head" not in layers
-    model = weights.trunk_model(config) if trunk_only else methods.get(config).model
     path = _checkpoint_path(config, workdir)
-    variables = weights.load_variables(path, config, mesh=mesh, trunk_only=trunk_only)
+    model, variables = frozen.load_frozen_model(config, mesh, layers, path=path)
     extract_fn = make_extract_fn(model, layers, pools)
     if jax.process_index() == 0:
         os.makedirs(os.path.join(workdir, "features"), exist_ok=True)

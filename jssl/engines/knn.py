@@ -23,8 +23,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from jssl import data, models, parallel
+from jssl import models, parallel
 from jssl.evaluation import knn, knn_sharded, pooling
+from jssl.evaluation.batches import eval_batches
 from jssl.evaluation.feature_store import load_features
 from jssl.evaluation.frozen import trunk_forward
 from jssl.evaluation.results import make_writer, write_results
@@ -146,58 +147,25 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
 
 def _sharded_knn(config: ml_collections.ConfigDict, max_k: int):
-    """kNN from ``init.checkpoint`` with the bank sharded over devices (jssl.evaluation.knn's memory
-    bound): one top-``max_k`` search per query batch serves every k. Returns
+    """kNN from ``init.checkpoint`` with the bank sharded over devices (``knn_sharded``, the kNN
+    monitor's search): one top-``max_k`` search serves every k. Returns
     ``(accuracy(k) -> {"top1", "top5"}, {"num_train", "num_test"})``."""
     kcfg = config.knn
     mesh = parallel.make_mesh()
     forward = trunk_forward(config, mesh, (kcfg.layer,))
     pool = jax.jit(pooling.get_pool(kcfg.pool, kcfg.layer))
 
-    def batches(split: str):
-        ds = data.build_eval_dataset(
-            config.data,
-            split,
-            batch_size=kcfg.batch_size,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
-        for host_batch in ds.as_numpy_iterator():
-            mask = np.asarray(host_batch["mask"], bool)
-            meta = (np.asarray(host_batch["label"], np.int32), mask)
-            image, labels, mask = parallel.host_batch_to_global((host_batch["image"], *meta), mesh)
-            yield pool(forward(image)[kcfg.layer]), labels, mask
+    def features(split: str):
+        for batch in eval_batches(config.data, split, kcfg.batch_size, mesh):
+            yield pool(forward(batch.batch["image"])[kcfg.layer]), batch
 
-    builder = knn_sharded.BankBuilder(mesh)
-    for feats, labels, mask in batches(kcfg.train_split):
-        builder.add(feats, labels, mask)
-    bank = builder.finish()
-    k_search = max(1, min(max_k, bank.num_examples))
-    sims, neighbours, query_labels = [], [], []
-    for feats, labels, mask in batches(kcfg.test_split):
-        top_sims, top_labels = knn_sharded.sharded_top_k(bank, feats, k_search)
-        keep, labels = parallel.global_to_host((mask, labels))
-        keep = np.asarray(keep, bool)
-        sims.append(top_sims[keep])
-        neighbours.append(top_labels[keep])
-        query_labels.append(np.asarray(labels)[keep])
-    sims, neighbours = np.concatenate(sims), np.concatenate(neighbours)
-    query_labels = np.concatenate(query_labels)
-    num_classes = int(max(bank.max_label, query_labels.max(initial=-1))) + 1
+    bank = knn_sharded.build_bank(features(kcfg.train_split), mesh)
+    neighbours = knn_sharded.search(bank, features(kcfg.test_split), max_k)
 
     def accuracy(k: int) -> dict[str, float]:
-        if k > bank.num_examples:
-            logging.warning("kNN: k=%d exceeds the bank size %d.", k, bank.num_examples)
-        return knn.vote_accuracy(
-            sims,
-            neighbours,
-            query_labels,
-            num_classes=num_classes,
-            k=min(k, k_search),
-            temperature=kcfg.temperature,
-        )
+        return neighbours.accuracy(k, kcfg.temperature)
 
-    return accuracy, {"num_train": bank.num_examples, "num_test": len(query_labels)}
+    return accuracy, {"num_train": bank.num_examples, "num_test": len(neighbours.query_labels)}
 
 
 def _flat(x: np.ndarray) -> np.ndarray:

@@ -14,9 +14,12 @@ Those features are of the evaluation view (resize + centre crop), so this fast m
 without VISSL's random crops and flips and scores differently (the demo's figures of both
 modes are in docs/evaluation.md).
 
-The loop (jssl.engines.loop) is the train engine's in miniature: one jitted, state-donating
-step over the mesh, a checkpoint of the (small) head state at the end of every epoch and every
-``checkpoint.every_steps``, and a restart with the same workdir resumes where it left off.
+The loop in ``run`` is the train engine's in miniature, flat and with clu's periodic actions:
+one jitted, state-donating step over the mesh, the mean metrics every ``log_every_steps`` (and
+of the steps after an epoch's last full window), a checkpoint of the (small) head state at the
+end of every epoch and every ``checkpoint.every_steps``, a test phase every
+``test_every_epochs`` before the last, and a restart with the same workdir resumes where it
+left off.
 """
 
 from __future__ import annotations
@@ -31,15 +34,18 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
+from clu import periodic_actions
 
 from jssl import data, engines, models, optim, parallel
 from jssl.checkpoints import manager as checkpoint
-from jssl.engines import loop as engine_loop
 from jssl.evaluation import linear, pooling
+from jssl.evaluation.batches import EvalBatch, eval_batches, from_host_batches
 from jssl.evaluation.feature_store import load_features
 from jssl.evaluation.frozen import load_frozen_model
 from jssl.evaluation.results import make_writer, write_results
+from jssl.training import batches as batches_lib
 from jssl.training import probe
+from jssl.training.progress import Plan, Progress, Window, position_after
 
 PyTree = Any
 
@@ -102,7 +108,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     lcfg = config.linear
     layers = tuple(lcfg.layers)
     mesh = parallel.make_mesh()
-    inputs = _cached_inputs(config) if lcfg.cached_features else _trunk_inputs(config, mesh)
+    inputs = _cached_inputs(config, mesh) if lcfg.cached_features else _trunk_inputs(config, mesh)
     logging.info(
         "Linear heads on %s",
         ", ".join(f"{k}: {tuple(s)} ({int(np.prod(s))} dims)" for k, s in inputs.shapes.items()),
@@ -111,7 +117,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     heads = linear.LinearHeads(
         layers, lcfg.num_classes, bn_axis_name=parallel.DATA_AXIS if lcfg.sync_bn else None
     )
-    plan = engine_loop.Plan.from_config(config, inputs.steps_per_epoch)
+    plan = Plan.from_config(config, inputs.steps_per_epoch)
     tx, schedule = _optimizer(config, heads, inputs.shapes, plan.steps_per_epoch)
     rng = jax.random.PRNGKey(config.seed)
     state = jax.jit(
@@ -126,31 +132,55 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     train_step = linear.make_train_step(heads, tx, schedule, mesh, inputs.features_fn)
     eval_step = linear.make_eval_step(heads, mesh, inputs.features_fn)
     trunk = inputs.trunk_variables
-    test = functools.partial(_test, config, eval_step, trunk, inputs, mesh)
+    test = functools.partial(_test, config, eval_step, trunk, inputs)
     writer = make_writer(workdir)
-
-    def train_batch(state, host_batch: dict, steps_done: int):
-        return train_step(state, trunk, parallel.host_batch_to_global(host_batch, mesh))
-
-    def save(state, position: checkpoint.DataPosition, force: bool) -> None:
-        checkpoint.save(manager, state, position, force=force)
-
-    def test_phase(state, step: int, epochs: int) -> None:
-        if epochs == plan.num_epochs or step >= plan.max_steps:
-            return  # the final heads are tested after the loop
-        scores = test(state)
-        logging.info("Test after epoch %d: %s", epochs, scores)
-        writer.write_scalars(step, _test_scalars(scores))
-
-    hooks = engine_loop.Hooks(
-        batches=inputs.train_batches,
-        step=train_batch,
-        write_metrics=functools.partial(_write_metrics, writer),
-        save=save,
-        test=test_phase,
+    report_progress = periodic_actions.ReportProgress(
+        num_train_steps=plan.total_steps, writer=writer, every_steps=plan.log_every_steps
     )
-    loop = engine_loop.Loop(plan, hooks, writer, write_window_at_epoch_end=True)
-    state, step = loop.run(state, position, int(jax.device_get(state.step)))
+    write_metrics = periodic_actions.PeriodicCallback(
+        every_steps=plan.log_every_steps,
+        on_steps=[plan.max_steps],
+        callback_fn=functools.partial(_write_metrics, writer),
+        pass_step_and_time=False,
+    )
+    save_in_epoch = periodic_actions.PeriodicCallback(
+        every_steps=plan.checkpoint_every_steps or None,
+        callback_fn=functools.partial(_save_in_epoch, manager),
+        pass_step_and_time=False,
+    )
+
+    step = first_step = int(jax.device_get(state.step))
+    window = Window()
+    host_batches = batches_lib.positioned(inputs.train_batches, position, plan)
+    # ``step``: the steps done once this batch is trained; the range ends the run at max_steps.
+    for step, (epoch, index, host_batch) in zip(
+        range(first_step + 1, plan.max_steps + 1), host_batches, strict=False
+    ):
+        state, metrics = train_step(state, trunk, parallel.host_batch_to_global(host_batch, mesh))
+        window.metrics.append(metrics)
+        progress = Progress(
+            step=step,
+            epoch=epoch,
+            epochs=epoch + (index + 1) / plan.steps_per_epoch,
+            next=position_after(epoch, index, plan.steps_per_epoch),
+        )
+        report_progress(step)
+        if write_metrics(step, progress=progress, window=window):
+            window = Window()
+        save_in_epoch(step, state=state, progress=progress)
+        epoch_done = progress.next.epoch == epoch + 1
+        if not (epoch_done or step >= plan.max_steps):
+            continue
+        if window:  # the steps after the epoch's last full window
+            _write_metrics(writer, progress=progress, window=window)
+            window = Window()
+        checkpoint.save(manager, state, progress.next, force=True)
+        if step >= plan.max_steps:
+            break
+        if epoch_done and epoch + 1 in plan.test_epochs:  # the final heads: after the loop
+            scores = test(state)
+            logging.info("Test after epoch %d: %s", epoch + 1, scores)
+            writer.write_scalars(step, _test_scalars(scores))
     checkpoint.finish(manager)
     manager.close()
 
@@ -179,7 +209,7 @@ def _optimizer(config: ml_collections.ConfigDict, heads: linear.LinearHeads, sha
     return optim.build_optimizer(config.optim, params_shape["params"], schedule), schedule
 
 
-def _write_metrics(writer, state, progress: engine_loop.Progress, window: engine_loop.Window):
+def _write_metrics(writer, *, progress: Progress, window: Window) -> None:
     """Writes a window's mean training metrics; a non-finite loss ends the run."""
     scalars = window.mean()
     if not np.isfinite(scalars["loss"]):
@@ -190,11 +220,19 @@ def _write_metrics(writer, state, progress: engine_loop.Progress, window: engine
     writer.write_scalars(progress.step, {f"train/{k}": v for k, v in scalars.items()})
 
 
-def _test(config, eval_step, trunk, inputs: _Inputs, mesh, state) -> dict[str, dict[str, float]]:
+def _save_in_epoch(manager, *, state, progress: Progress) -> None:
+    if progress.next.step_in_epoch != 0:  # the end of the epoch saves anyway (forced)
+        checkpoint.save(manager, state, progress.next)
+
+
+def _test(config, eval_step, trunk, inputs: _Inputs, state) -> dict[str, dict[str, float]]:
     """Top-1 and top-5 (in %) of every head on the test split."""
     totals = None
-    for batch in inputs.test_batches():
-        out = eval_step(state, trunk, parallel.host_batch_to_global(batch, mesh))
+    for test_batch in inputs.test_batches():
+        batch = test_batch.batch
+        inputs_key = "image" if "image" in batch else "inputs"
+        batch = {"inputs": batch[inputs_key], "label": batch["label"], "mask": batch["mask"]}
+        out = eval_step(state, trunk, batch)
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     if totals is None:
         raise ValueError(f"The test split {config.data.test_split!r} is empty.")
@@ -215,7 +253,7 @@ class _Inputs:
     shapes: dict[str, tuple[int, ...]]  # per-example feature shape of each layer
     steps_per_epoch: int
     train_batches: Callable[[int, int], Iterator[dict]]  # (epoch, start_step) -> batches
-    test_batches: Callable[[], Iterator[dict]]  # padded, with "mask"
+    test_batches: Callable[[], Iterator[EvalBatch]]  # every test example once, padded
 
 
 def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
@@ -246,16 +284,8 @@ def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
         for batch in ds.as_numpy_iterator():
             yield {"inputs": batch["crops"][0][:, 0], "label": batch["label"]}
 
-    def test_batches() -> Iterator[dict]:
-        ds = data.build_eval_dataset(
-            config.data,
-            config.data.test_split,
-            batch_size=config.data.batch_size,
-            process_index=process_index,
-            process_count=process_count,
-        )
-        for batch in ds.as_numpy_iterator():
-            yield {"inputs": batch["image"], "label": batch["label"], "mask": batch["mask"]}
+    def test_batches() -> Iterator[EvalBatch]:
+        return eval_batches(config.data, config.data.test_split, config.data.batch_size, mesh)
 
     return _Inputs(
         features_fn=features_fn,
@@ -267,7 +297,7 @@ def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
     )
 
 
-def _cached_inputs(config: ml_collections.ConfigDict) -> _Inputs:
+def _cached_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
     lcfg = config.linear
     layers = tuple(lcfg.layers)
     train_set = load_features(lcfg.cached_features, config.data.train_split, layers)
@@ -296,14 +326,15 @@ def _cached_inputs(config: ml_collections.ConfigDict) -> _Inputs:
             process_count=process_count,
         )
 
-    def test_batches() -> Iterator[dict]:
-        return linear.cached_eval_batches(
+    def test_batches() -> Iterator[EvalBatch]:
+        host_batches = linear.cached_eval_batches(
             test_set.features,
             test_set.labels,
             batch_size=batch_size,
             process_index=process_index,
             process_count=process_count,
         )
+        return from_host_batches(host_batches, mesh)
 
     return _Inputs(
         features_fn=lambda trunk_variables, feats: feats,

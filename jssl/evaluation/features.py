@@ -3,16 +3,16 @@
 The JAX counterpart of VISSL's feature extraction (``vissl/trainer/trainer_main.py``,
 ``extract_features`` and ``_get_train_features``, with
 ``vissl/utils/extract_features_utils.py`` writing ``<layer>_{features,targets,inds}.npy``):
-run the frozen model over the split, keep the requested taps, and return them with their
-labels and dataset indices. Every process ends up with the full split, rows sorted by
-dataset index, so kNN and linear evaluation can run anywhere and the result does not depend
-on the device or process count.
+run the frozen model over the split's evaluation batches (``evaluation.batches``: every example
+once, padding rows masked), keep the requested taps, and return them with their labels and
+dataset indices. Every process ends up with the full split, rows sorted by dataset index, so
+kNN and linear evaluation can run anywhere and the result does not depend on the device or
+process count.
 
 ``collect_features`` therefore costs the whole split's features in every host's RAM: use it
 for splits that fit (tests, small evaluation sets). The kNN memory bank of the train engine
-and of the kNN engine stays on the devices instead (``evaluation.knn_sharded.BankBuilder``), and
-extraction to disk streams batch by batch (``iterate_features``).
-"""
+and of the kNN engine stays on the devices instead (``evaluation.knn_sharded``), and
+extraction to disk streams batch by batch (``iterate_features``)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,7 @@ import numpy as np
 from absl import logging
 
 from jssl import parallel
-
-# Indices travel through the device (so multi-process gathers keep rows aligned), and JAX
-# without x64 holds integers as int32.
-_MAX_INDEX = np.iinfo(np.int32).max
+from jssl.evaluation.batches import EvalBatch
 
 
 @dataclasses.dataclass
@@ -52,9 +49,8 @@ def _post_fn(pool: Callable[[jax.Array], jax.Array] | None) -> Callable[[jax.Arr
 
 def collect_features(
     forward: Callable[[jax.Array], Mapping[str, jax.Array]],
-    batches: Iterable[Mapping[str, np.ndarray]],
+    batches: Iterable[EvalBatch],
     layers: Sequence[str],
-    mesh: jax.sharding.Mesh,
     *,
     pool: Mapping[str, Callable[[jax.Array], jax.Array]] | None = None,
     log_every: int = 0,
@@ -64,11 +60,10 @@ def collect_features(
     Args:
       forward: maps a global, data-sharded image batch to a dict of taps (e.g. ``"res5"``
         NHWC, ``"avgpool"`` (N, C)); the caller jits it.
-      batches: host-local dicts ``{"image", "label", "index", "mask"}``; rows with mask
-        False are padding. Every process must yield the same number of batches and each
-        example must appear exactly once over all processes (the data pipeline's contract).
+      batches: the split's ``EvalBatch``es (``evaluation.batches.eval_batches``, or
+        ``from_host_batches`` of the caller's padded host batches): each example exactly once
+        over all processes, padding rows masked.
       layers: taps to keep.
-      mesh: the device mesh; batches are sharded on its ``data`` axis.
       pool: optional per-layer function applied on device before the fetch (e.g. VISSL's
         average pooling of res5); entries for layers not requested are ignored.
       log_every: log progress every this many batches (0: never).
@@ -87,30 +82,17 @@ def collect_features(
     indices: list[np.ndarray] = []
     num_batches = num_examples = 0
 
-    for batch in batches:
-        index = np.asarray(batch["index"])
-        mask = np.asarray(batch["mask"], bool)
-        real = index[mask]  # padding rows carry placeholder indices (the pipeline uses -1)
-        if real.size and (real.min() < 0 or real.max() > _MAX_INDEX):
-            raise ValueError(f"dataset indices must lie in [0, {_MAX_INDEX}]")
-        meta = {
-            "label": np.asarray(batch["label"], np.int32),
-            "index": np.where(mask, index, 0).astype(np.int32),
-            "mask": mask,
-        }
-        image, meta = parallel.host_batch_to_global((batch["image"], meta), mesh)
-        taps = forward(image)
+    for batch, meta in batches:
+        taps = forward(batch["image"])
         missing = [layer for layer in layers if layer not in taps]
         if missing:
             raise KeyError(f"unknown layer(s) {missing}; the forward function taps {sorted(taps)}")
-        # The same gather for features and metadata, so rows stay aligned across processes.
-        device_feats = {layer: post[layer](taps[layer]) for layer in layers}
-        feats, meta = parallel.global_to_host((device_feats, meta))
-        keep = np.asarray(meta["mask"], bool)
+        feats = parallel.global_to_host({layer: post[layer](taps[layer]) for layer in layers})
+        keep = meta["mask"]
         for layer in layers:
             chunks[layer].append(np.asarray(feats[layer])[keep])
-        labels.append(np.asarray(meta["label"])[keep])
-        indices.append(np.asarray(meta["index"], np.int64)[keep])
+        labels.append(meta["label"][keep])
+        indices.append(meta["index"][keep].astype(np.int64))
         num_batches += 1
         num_examples += int(keep.sum())
         if log_every and num_batches % log_every == 0:
@@ -142,32 +124,20 @@ def collect_features(
 
 
 def iterate_features(
-    forward: Callable[[jax.Array], Mapping[str, jax.Array]],
-    batches: Iterable[Mapping[str, np.ndarray]],
-    mesh: jax.sharding.Mesh,
+    forward: Callable[[jax.Array], Mapping[str, jax.Array]], batches: Iterable[EvalBatch]
 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]]:
     """Streams ``(features, labels, indices)`` of the real rows of each batch, on every process.
 
     The streaming sibling of ``collect_features`` for splits larger than host memory: each
-    global batch is gathered (features and metadata together, so rows stay aligned across
-    processes), its padding rows dropped, and handed over before the next batch is read.
-    ``forward`` maps a data-sharded image batch to the arrays to keep (already pooled; the
-    caller jits it). Rows come in data order per process, not globally sorted by index.
+    global ``EvalBatch``'s outputs are gathered, its padding rows dropped, and handed over
+    before the next batch is read. ``forward`` maps a data-sharded image batch to the arrays
+    to keep (already pooled; the caller jits it). Rows come in data order, not sorted by index.
     """
-    for batch in batches:
-        index = np.asarray(batch["index"])
-        if index.size and index.max() > _MAX_INDEX:
-            raise ValueError(f"dataset indices must lie in [0, {_MAX_INDEX}]")
-        meta = {
-            "label": np.asarray(batch["label"], np.int32),
-            "index": index.astype(np.int32),
-            "mask": np.asarray(batch["mask"], bool),
-        }
-        image, meta = parallel.host_batch_to_global((batch["image"], meta), mesh)
-        feats, meta = parallel.global_to_host((dict(forward(image)), meta))
-        keep = np.asarray(meta["mask"], bool)
+    for batch, meta in batches:
+        feats = parallel.global_to_host(dict(forward(batch["image"])))
+        keep = meta["mask"]
         yield (
             {name: np.asarray(value)[keep] for name, value in feats.items()},
-            np.asarray(meta["label"])[keep],
-            np.asarray(meta["index"], np.int64)[keep],
+            meta["label"][keep],
+            meta["index"][keep].astype(np.int64),
         )

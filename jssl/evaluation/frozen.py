@@ -10,7 +10,7 @@ import ml_collections
 from absl import logging
 
 from jssl import methods
-from jssl.checkpoints import weights
+from jssl.checkpoints import source_model, weights
 
 
 def trunk_forward(
@@ -23,21 +23,27 @@ def trunk_forward(
 
 
 def load_frozen_model(
-    config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, layers: Sequence[str]
+    config: ml_collections.ConfigDict,
+    mesh: jax.sharding.Mesh,
+    layers: Sequence[str],
+    path: str = "",
 ):
-    """(flax model, replicated variables) of the online network in ``init.checkpoint``: the
-    trunk alone unless ``layers`` asks for the ``head`` output, so a workdir of any method
-    (its own head, predictor or prototypes) is evaluated with the trunk's model fields."""
-    if not config.init.checkpoint:
-        raise ValueError(
+    """(flax model, replicated variables) of the online network at ``path`` (default
+    ``init.checkpoint``): the trunk alone unless ``layers`` asks for the ``head`` output, so a
+    workdir of any method (its own head, predictor or prototypes) is evaluated with the
+    trunk's model fields; the head is the method's, as recorded by the evaluated workdir."""
+    path = path or config.init.checkpoint
+    if not path:
+        raise weights.WeightsError(
             f"engine={config.engine!r} evaluates a trained model: set "
             "--config.init.checkpoint to a jssl workdir (or checkpoint step dir, or a VISSL "
             ".torch / torchvision .pth file), or use features already extracted to disk."
         )
     trunk_only = "head" not in layers
-    model = weights.trunk_model(config) if trunk_only else methods.get(config).model
-    variables = weights.load_variables(
-        config.init.checkpoint, config, mesh=mesh, trunk_only=trunk_only
-    )
-    logging.info("Evaluating the frozen weights of %s.", config.init.checkpoint)
+    if trunk_only:
+        model = weights.trunk_model(config)
+    else:
+        model = methods.get(source_model.method_config(config, path)).model
+    variables = weights.load_variables(path, config, mesh=mesh, trunk_only=trunk_only, model=model)
+    logging.info("Evaluating the frozen weights of %s.", path)
     return model, variables

@@ -1,13 +1,16 @@
 """The sharded kNN memory bank: bank rows stay on the devices that computed them.
 
 For a bank computed on the fly (the train engine's kNN monitor, the kNN engine without a
-features directory): ``BankBuilder`` stacks the data-sharded outputs of eval batches into a
-``ShardedBank``, rows split over the mesh's ``data`` axis, and ``sharded_top_k`` finds each
-query's ``k`` most cosine-similar rows. Each device compares the (all-gathered) query batch with
-its own rows, keeps a local top-k, and the ``k`` candidates of every device are all-gathered and
-reduced to the global top-k (``jax.shard_map`` over ``data``). No process ever holds the whole
-bank. ``jssl.evaluation.knn.vote_accuracy`` turns the neighbours into the weighted-kNN accuracies of
-``jssl.evaluation.knn`` (Wu et al. 2018), which also holds the classifier for host features.
+features directory), both of which run this one search: ``build_bank`` stacks the
+data-sharded features of evaluation batches (``jssl.evaluation.batches``) into a
+``ShardedBank`` (``BankBuilder``), rows split over the mesh's ``data`` axis, and ``search``
+finds each real query's ``k`` most cosine-similar rows (``sharded_top_k`` per query batch).
+Each device compares the (all-gathered) query batch with its own rows, keeps a local top-k, and
+the ``k`` candidates of every device are all-gathered and reduced to the global top-k
+(``jax.shard_map`` over ``data``). No process ever holds the whole bank. ``Neighbours.accuracy``
+turns the neighbours into the weighted-kNN accuracies of ``jssl.evaluation.knn`` (Wu et al.
+2018, ``vote_accuracy``), which also holds the classifier for host features; one search of the
+largest k serves every smaller k.
 
 Memory of the sharded bank. With ``N`` bank examples of dimension ``d``, ``P`` processes, ``D``
 devices in all, an eval batch of ``B`` rows and ``k`` neighbours, each process holds
@@ -26,14 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jssl.evaluation.knn import l2_normalize
+from jssl.evaluation import knn
+from jssl.evaluation.batches import EvalBatch
 from jssl.parallel import DATA_AXIS
 
 
@@ -128,8 +134,8 @@ def _sharded_merge_fn(mesh: Mesh, k: int):
     def per_device(top_sims, top_labels, queries, bank, bank_labels, valid):
         # The whole query batch meets this device's bank rows.
         queries = jax.lax.all_gather(queries, DATA_AXIS, tiled=True)
-        q = l2_normalize(queries.reshape(queries.shape[0], -1).astype(jnp.float32))
-        bank = l2_normalize(bank.reshape(-1, bank.shape[-1]))
+        q = knn.l2_normalize(queries.reshape(queries.shape[0], -1).astype(jnp.float32))
+        bank = knn.l2_normalize(bank.reshape(-1, bank.shape[-1]))
         bank_labels, valid = bank_labels.reshape(-1), valid.reshape(-1)
         # HIGHEST, as in jssl.evaluation.knn._merge_bank_chunk (no TF32).
         s = jnp.matmul(q, bank.T, precision=jax.lax.Precision.HIGHEST)
@@ -194,3 +200,85 @@ def sharded_top_k(bank: ShardedBank, queries: jax.Array, k: int) -> tuple[np.nda
     for features, labels, valid in bank.blocks:
         top_sims, top_labels = merge(top_sims, top_labels, queries, features, labels, valid)
     return _replicated_value(top_sims), _replicated_value(top_labels)
+
+
+def build_bank(
+    batches: Iterable[tuple[jax.Array, EvalBatch]], mesh: Mesh, *, block_rows: int = 8192
+) -> ShardedBank:
+    """The bank of ``(features, eval batch)`` pairs: each batch's data-sharded features (B, ...)
+    with its global ``"label"`` and ``"mask"``; nothing is fetched to the host."""
+    builder = BankBuilder(mesh, block_rows)
+    for features, batch in batches:
+        builder.add(features, batch.batch["label"], batch.batch["mask"])
+    return builder.finish()
+
+
+@dataclasses.dataclass
+class Neighbours:
+    """The top neighbours of every real query (padding rows dropped), in query order."""
+
+    sims: np.ndarray  # (n, k) float32, descending
+    labels: np.ndarray  # (n, k) int32: the neighbours' labels
+    query_labels: np.ndarray  # (n,) int32
+    bank_size: int
+    num_classes: int  # the largest label of bank and queries, plus one
+
+    def accuracy(self, k: int, temperature: float, **vote_kwargs) -> dict[str, float]:
+        """Weighted-kNN accuracies (%) of the ``k`` nearest; k beyond the bank is clamped to it,
+        with a warning, as ``knn.knn_scores`` does."""
+        if k > self.bank_size:
+            logging.warning("kNN: k=%d exceeds the bank size %d.", k, self.bank_size)
+        k = min(k, self.bank_size)
+        if k > self.sims.shape[1]:
+            raise ValueError(f"k={k}: the search kept only the top {self.sims.shape[1]}")
+        return knn.vote_accuracy(
+            self.sims,
+            self.labels,
+            self.query_labels,
+            num_classes=self.num_classes,
+            k=k,
+            temperature=temperature,
+            **vote_kwargs,
+        )
+
+
+class QueryTopK:
+    """Collects the top-``k`` neighbours (``k`` clamped to the bank size) of the real rows of
+    streamed query batches; for passes that do more with each batch than the search."""
+
+    def __init__(self, bank: ShardedBank, k: int):
+        self.bank = bank
+        self.k = max(1, min(k, bank.num_examples))
+        self._sims: list[np.ndarray] = []
+        self._labels: list[np.ndarray] = []
+        self._query_labels: list[np.ndarray] = []
+
+    def add(self, queries: jax.Array, meta: Mapping[str, np.ndarray]) -> None:
+        """One batch: ``queries`` (B, ...) data-sharded, ``meta`` its host ``"label"``/``"mask"``
+        (an ``EvalBatch.meta``)."""
+        keep = np.asarray(meta["mask"], bool)
+        sims, labels = sharded_top_k(self.bank, queries, self.k)
+        self._sims.append(sims[keep])
+        self._labels.append(labels[keep])
+        self._query_labels.append(np.asarray(meta["label"], np.int32)[keep])
+
+    def finish(self) -> Neighbours:
+        def rows(chunks: list[np.ndarray], shape: tuple[int, ...], dtype) -> np.ndarray:
+            return np.concatenate(chunks) if chunks else np.zeros(shape, dtype)
+
+        query_labels = rows(self._query_labels, (0,), np.int32)
+        return Neighbours(
+            sims=rows(self._sims, (0, self.k), np.float32),
+            labels=rows(self._labels, (0, self.k), np.int32),
+            query_labels=query_labels,
+            bank_size=self.bank.num_examples,
+            num_classes=int(max(self.bank.max_label, query_labels.max(initial=-1))) + 1,
+        )
+
+
+def search(bank: ShardedBank, queries: Iterable[tuple[jax.Array, EvalBatch]], k: int) -> Neighbours:
+    """The top-``k`` neighbours of every real query of ``(features, eval batch)`` pairs."""
+    top = QueryTopK(bank, k)
+    for features, batch in queries:
+        top.add(features, batch.meta)
+    return top.finish()

@@ -3,21 +3,22 @@ step, in test phases and at the end, with the line comparing the last with the f
 online probe's test accuracy, per-example evaluation outputs and a 2-D picture of the
 embeddings.
 
-Every pass here reads a split through the evaluation pipeline (``data.build_eval_dataset``:
-centre crop, each example exactly once, the last batch padded with ``mask`` False rows), so
-results cover the whole split and do not depend on augmentation draws.
+Every pass here reads a split through ``evaluation.batches.eval_batches`` (the evaluation
+pipeline: centre crop, each example exactly once, the last batch padded with ``mask`` False
+rows), so results cover the whole split and do not depend on augmentation draws.
 
 The test phase is ONE pass over the test split: each batch goes through the eval step once,
 which gives the method's loss (the image fed as every view: the loss on identical
-centre-crop views), the per-example outputs and the kNN query features. The kNN bank (the
-train split) stays sharded over the devices (``knn_sharded.BankBuilder``); each query batch's top-k
-is reduced across devices right away, so no process holds the bank or all query features.
+centre-crop views), the per-example outputs and the kNN query features. The kNN search is the
+kNN engine's (``knn_sharded``): the bank (the train split) stays sharded over the devices and
+each query batch's top-k is reduced across devices right away, so no process holds the bank or
+all query features.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -25,7 +26,8 @@ import numpy as np
 from absl import logging
 
 from jssl import data, parallel
-from jssl.evaluation import knn, knn_sharded
+from jssl.evaluation import knn_sharded
+from jssl.evaluation.batches import eval_batches
 from jssl.evaluation.results import load_json, save_json
 from jssl.training import probe, summaries
 from jssl.training.step import make_eval_step
@@ -44,42 +46,16 @@ def make_test_step(config: ml_collections.ConfigDict, method, mesh) -> Callable:
     return make_eval_step(method, mesh, crop_groups=groups, taps=taps)
 
 
-def _eval_batches(
-    config: ml_collections.ConfigDict, split: str, batch_size: int, mesh
-) -> Iterator[tuple[dict, dict]]:
-    """(global batch, host copy of the global metadata) over ``split``, each example once.
-
-    The global batch is ``{"image", "label", "index", "mask"}`` sharded on ``data``; the
-    metadata (label, index, mask of every row of the global batch, in its row order) is
-    small and fetched to every host, for dropping padding rows.
-    """
-    batches = data.build_eval_dataset(
-        config.data,
-        split,
-        batch_size=batch_size,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
-    for host_batch in batches.as_numpy_iterator():
-        mask = np.asarray(host_batch["mask"], bool)
-        # int32 on the device (no x64); padding rows carry index -1, made 0 here.
-        meta = {
-            "label": np.asarray(host_batch["label"], np.int32),
-            "index": np.where(mask, host_batch["index"], 0).astype(np.int32),
-            "mask": mask,
-        }
-        batch = parallel.host_batch_to_global(dict(meta, image=host_batch["image"]), mesh)
-        meta_host = parallel.global_to_host({k: batch[k] for k in meta})
-        yield batch, {k: np.asarray(v) for k, v in meta_host.items()}
-
-
 def build_bank(config: ml_collections.ConfigDict, forward, state, mesh) -> knn_sharded.ShardedBank:
     """``config.knn.layer`` features of ``knn.train_split`` (eval transform), kept sharded."""
     kcfg = config.knn
-    builder = knn_sharded.BankBuilder(mesh)
-    for batch, _ in _eval_batches(config, kcfg.train_split, kcfg.batch_size, mesh):
-        builder.add(forward(state, batch["image"])[kcfg.layer], batch["label"], batch["mask"])
-    bank = builder.finish()
+    bank = knn_sharded.build_bank(
+        (
+            (forward(state, batch.batch["image"])[kcfg.layer], batch)
+            for batch in eval_batches(config.data, kcfg.train_split, kcfg.batch_size, mesh)
+        ),
+        mesh,
+    )
     logging.info(
         "kNN bank: %d examples of %s (%d-d), sharded", bank.num_examples, kcfg.layer, bank.dim
     )
@@ -87,18 +63,15 @@ def build_bank(config: ml_collections.ConfigDict, forward, state, mesh) -> knn_s
 
 
 class _Queries:
-    """Accumulates the kNN top-k and the probe's hits of streamed query batches (real rows)."""
+    """The kNN search (``knn_sharded.QueryTopK``) of streamed query batches, plus the online
+    probe's hits on the same features (real rows)."""
 
     def __init__(self, config: ml_collections.ConfigDict, bank: knn_sharded.ShardedBank, state):
-        self.config, self.bank = config, bank
-        # k beyond the bank is clamped, as knn.knn_scores does.
-        self.k = max(1, min(config.knn.k, bank.num_examples))
-        if config.knn.k > bank.num_examples:
-            logging.warning("kNN: k=%d exceeds the bank size %d.", config.knn.k, bank.num_examples)
+        self.config = config
+        self.top_k = knn_sharded.QueryTopK(bank, config.knn.k)
         self.probe_params = None
         if state.probe and config.knn.layer == "avgpool":
             self.probe_params = jax.device_get(state.probe["params"])
-        self.sims, self.neighbours, self.labels = [], [], []
         self.probe_hits = {"top1": 0.0, "top5": 0.0}
 
     @property
@@ -106,11 +79,8 @@ class _Queries:
         return self.probe_params is not None
 
     def add(self, queries: jax.Array, meta: dict, host_features: np.ndarray | None = None):
+        self.top_k.add(queries, meta)
         keep = meta["mask"]
-        sims, neighbours = knn_sharded.sharded_top_k(self.bank, queries, self.k)
-        self.sims.append(sims[keep])
-        self.neighbours.append(neighbours[keep])
-        self.labels.append(meta["label"][keep])
         if self.probe_params is not None and keep.any():
             acc = probe.accuracy(self.probe_params, host_features[keep], meta["label"][keep])
             for name in self.probe_hits:
@@ -118,18 +88,11 @@ class _Queries:
 
     def result(self) -> dict[str, float]:
         kcfg = self.config.knn
-        labels = np.concatenate(self.labels)
-        num_classes = int(max(self.bank.max_label, labels.max(initial=-1))) + 1
-        result = knn.vote_accuracy(
-            np.concatenate(self.sims),
-            np.concatenate(self.neighbours),
-            labels,
-            num_classes=num_classes,
-            k=self.k,
-            temperature=kcfg.temperature,
-        )
-        if self.probe_params is not None and len(labels):
-            result.update({f"probe_{k}": v / len(labels) for k, v in self.probe_hits.items()})
+        neighbours = self.top_k.finish()
+        result = neighbours.accuracy(kcfg.k, kcfg.temperature)
+        num_queries = len(neighbours.query_labels)
+        if self.probe_params is not None and num_queries:
+            result.update({f"probe_{k}": v / num_queries for k, v in self.probe_hits.items()})
         result = {k: float(v) for k, v in result.items()}
         logging.info("kNN (%s, k=%d, T=%g): %s", kcfg.layer, kcfg.k, kcfg.temperature, result)
         return result
@@ -141,7 +104,7 @@ def knn_eval(config: ml_collections.ConfigDict, forward, state, mesh) -> dict[st
     accuracy on the same test features is added as ``probe_top1``/``probe_top5``."""
     kcfg = config.knn
     queries = _Queries(config, build_bank(config, forward, state, mesh), state)
-    for batch, meta in _eval_batches(config, kcfg.test_split, kcfg.batch_size, mesh):
+    for batch, meta in eval_batches(config.data, kcfg.test_split, kcfg.batch_size, mesh):
         feats = forward(state, batch["image"])[kcfg.layer]
         host = parallel.global_to_host(feats) if queries.needs_features_on_host else None
         queries.add(feats, meta, host)
@@ -217,7 +180,7 @@ def test_phase(
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     outputs, num_examples = [], 0
-    for batch, meta in _eval_batches(config, split, config.data.batch_size, mesh):
+    for batch, meta in eval_batches(config.data, split, config.data.batch_size, mesh):
         totals, per_example = eval_step(state, batch)
         for name, (value, weight) in jax.device_get(totals).items():
             sums[name] = sums.get(name, 0.0) + float(value)

@@ -5,7 +5,7 @@ position a run starts or resumes at: jssl's pipeline, or the caller's own batche
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 import numpy as np
@@ -14,11 +14,22 @@ from jssl import data
 from jssl.training.progress import Plan
 
 
-def pipeline_batches(config, position, plan: Plan) -> Iterator[tuple[int, int, dict]]:
-    """(epoch, index in the epoch, host batch) from ``position`` to the end of the last epoch;
-    each epoch's pipeline is built when its first batch is asked for."""
+def positioned(
+    epoch_batches: Callable[[int, int], Iterable[dict]], position, plan: Plan
+) -> Iterator[tuple[int, int, dict]]:
+    """(epoch, index in the epoch, host batch) from ``position`` to the end of the last epoch,
+    where ``epoch_batches(epoch, start)`` gives the batches of ``epoch`` from index ``start``;
+    each epoch's are asked for when its first batch is."""
     for epoch in range(position.epoch, plan.num_epochs):
         start = position.step_in_epoch if epoch == position.epoch else 0
+        for index, host_batch in enumerate(epoch_batches(epoch, start), start):
+            yield epoch, index, host_batch
+
+
+def pipeline_batches(config, position, plan: Plan) -> Iterator[tuple[int, int, dict]]:
+    """``positioned`` batches of jssl's deterministic training pipeline."""
+
+    def epoch_batches(epoch: int, start: int) -> Iterable[dict]:
         dataset = data.build_train_dataset(
             config.data,
             seed=config.seed,
@@ -27,8 +38,9 @@ def pipeline_batches(config, position, plan: Plan) -> Iterator[tuple[int, int, d
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-        for index, host_batch in enumerate(dataset.as_numpy_iterator(), start):
-            yield epoch, index, host_batch
+        return dataset.as_numpy_iterator()
+
+    return positioned(epoch_batches, position, plan)
 
 
 def user_steps_per_epoch(batches, steps_per_epoch: int | None) -> int:

@@ -1,7 +1,7 @@
 """Where a training run is and how long it lasts: the plan of a run (epochs, steps, how often
 periodic work happens), the data position after a step and the window of metrics between two
-writes. Shared by the train engine's loop (jssl.engines.train) and linear_eval's
-(jssl.engines.loop)."""
+writes. Shared by the flat loops of the train engine (jssl.engines.train) and of
+linear_eval (jssl.engines.linear_eval)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,12 @@ from its config.json, except fields given on the command line, and not for train
 import json
 import os
 
-from configs import dino, knn, linear_eval, moco
-from jssl import cli
+import jax
+import jax.numpy as jnp
+import pytest
+
+from configs import dino, extract_features, knn, linear_eval, moco
+from jssl import cli, methods
 from jssl.checkpoints import source_model
 
 
@@ -60,3 +64,24 @@ def test_turned_off_training_and_torch_files_keep_the_config(tmp_path):
 def test_command_line_overrides_are_the_explicit_fields():
     argv = ["jssl", "--config=configs/knn.py:demo", "--config.model.trunk=vit_tiny", "--workdir=w"]
     assert cli.overridden_fields(argv) == ["model.trunk"]
+
+
+def test_a_head_layer_is_read_with_the_method_of_the_evaluated_workdir(tmp_path):
+    """The evaluation presets set no method: a layer of the head builds the workdir's own (here
+    DINO's prototypes, which MoCo's head would not fit), and fails clearly without one."""
+    trained = dino.get_config("test")
+    config = extract_features.get_config("test")
+    config.init.checkpoint = _workdir(tmp_path, trained)
+    source_model.adopt(config, str(tmp_path / "eval"))
+    source = source_model.method_config(config, config.init.checkpoint)
+    assert source.method.name == "dino" and source.model == config.model
+
+    def shapes(model):
+        size = config.data.image_size
+        images = jnp.zeros((1, size, size, 3))
+        variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), images))
+        return jax.tree.map(lambda x: x.shape, variables["params"]["head"])
+
+    assert shapes(methods.get(source).model) == shapes(methods.get(trained).model)
+    with pytest.raises(ValueError, match="no jssl config.json naming the method"):
+        source_model.method_config(config, str(tmp_path / "resnet50.pth"))

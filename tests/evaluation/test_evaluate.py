@@ -13,11 +13,12 @@ from test_knn import _reference_scores
 from configs import dino, moco
 from configs import knn as knn_config
 from configs import linear_eval as linear_eval_config
-from jssl import data, parallel
+from jssl import engines, parallel
 from jssl.checkpoints import weights
 from jssl.engines import knn as knn_engine
 from jssl.engines import linear_eval, train
 from jssl.evaluation import feature_store, features, frozen, knn, pooling
+from jssl.evaluation.batches import eval_batches
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,7 @@ def trained_workdir(shared_dirs, tmp_path_factory):
     config.num_epochs = 1
     config.checkpoint.async_save = False
     workdir = str(tmp_path_factory.mktemp("moco"))
-    train.run(config, workdir)
+    engines.run(config, workdir)  # as jssl.train and launch.py: config.json recorded
     return workdir
 
 
@@ -64,11 +65,9 @@ def test_knn_from_checkpoint(shared_dirs, trained_workdir, tmp_path):
     kcfg = config.knn
 
     def host_features(split):
-        batches = data.build_eval_dataset(config.data, split, batch_size=kcfg.batch_size)
+        batches = eval_batches(config.data, split, kcfg.batch_size, mesh)
         pool = {kcfg.layer: pooling.get_pool(kcfg.pool, kcfg.layer)}
-        got = features.collect_features(
-            forward, batches.as_numpy_iterator(), [kcfg.layer], mesh, pool=pool
-        )
+        got = features.collect_features(forward, batches, [kcfg.layer], pool=pool)
         return got.features[kcfg.layer].reshape(len(got), -1), got.labels
 
     (bank, bank_labels), (queries, labels) = map(host_features, (kcfg.train_split, kcfg.test_split))
@@ -96,17 +95,19 @@ def _write_split(directory, name, feats, labels, inds, bounds=None):
 
 
 def test_evaluation_reads_the_trunk_whatever_the_head(shared_dirs, trained_workdir, tmp_path):
-    """A workdir whose head does not fit the configured one (a DINO, SwAV or BYOL workdir under
-    the MoCo-based evaluation presets) evaluates: the engines read the trunk alone unless the
+    """A workdir whose head does not fit the configured one (a DINO, SwAV or BYOL workdir, or
+    a head given on the command line) evaluates: the engines read the trunk alone unless the
     head's output is asked for."""
     config = knn_config.get_config("test")
     config.data.data_dir = shared_dirs[0]
     config.init.checkpoint = trained_workdir
-    whole = weights.load_variables(trained_workdir, config)
+    trained_with = moco.get_config("test")
+    whole = weights.load_variables(trained_workdir, trained_with)
     matching = knn_engine.run(config, str(tmp_path / "matching"))
     config.model.head_dims = (config.model.head_dims[0], 7, 5)
+    trained_with.model.head_dims = config.model.head_dims
     with pytest.raises(weights.WeightsError, match="params/head/fc1/kernel"):
-        weights.load_variables(trained_workdir, config)
+        weights.load_variables(trained_workdir, trained_with)
     trunk = weights.load_variables(trained_workdir, config, trunk_only=True)
     assert set(trunk["params"]) == {"trunk"}
     for name in ("params", "batch_stats"):
@@ -122,7 +123,7 @@ def test_evaluation_reads_the_trunk_whatever_the_head(shared_dirs, trained_workd
 def test_knn_on_a_dino_vit_workdir(shared_dirs, tmp_path):
     """Another method's workdir on a trunk without batch norm: DINO's test ViT with BN in its
     head (as the ViT demo), so the checkpoint has batch_stats but the trunk none, evaluated by
-    the MoCo-based kNN preset given the trunk's model fields."""
+    the kNN preset given the trunk's model fields."""
     config = dino.get_config("test_vit")
     config.method.use_bn_in_head = True
     config.data.data_dir = shared_dirs[0]

@@ -17,10 +17,9 @@ import pytest
 from support.launch import REPO, launch_env, prepare_shared_dirs
 
 from configs import extract_features, moco
-from jssl import data, methods
-from jssl.checkpoints import weights
+from jssl import data, engines, methods
+from jssl.checkpoints import source_model, weights
 from jssl.engines import extract_features as extract_engine
-from jssl.engines import train
 from jssl.evaluation import feature_store, pooling
 
 LAYERS = ("res5", "avgpool", "head")
@@ -43,7 +42,7 @@ def trained(shared_dirs, tmp_path_factory):
     config.data.train_subset = 32
     config.checkpoint.async_save = False
     workdir = str(tmp_path_factory.mktemp("trained"))
-    train.run(config, workdir)
+    engines.run(config, workdir)  # as jssl.train and launch.py: config.json recorded
     return workdir
 
 
@@ -51,6 +50,7 @@ def extract_config(shared_dirs, trained):
     config = extract_features.get_config("test")
     config.data.data_dir = shared_dirs[0]
     config.init.checkpoint = trained
+    source_model.adopt(config, "")  # the run's model fields, as engines.run takes them
     return config
 
 
@@ -126,8 +126,9 @@ def test_two_slices_of_a_split_write_two_directories(shared_dirs, trained, tmp_p
 
 def test_features_equal_a_direct_forward(shared_dirs, trained, extracted):
     config = extract_config(shared_dirs, trained)
-    model = methods.get(config).model
-    variables = weights.load_variables(trained, config)
+    trained_with = moco.get_config("test")  # the method (its head) and trunk of the run
+    model = methods.get(trained_with).model
+    variables = weights.load_variables(trained, trained_with)
     batches = list(
         data.build_eval_dataset(config.data, "test[:40]", batch_size=40).as_numpy_iterator()
     )
@@ -161,16 +162,16 @@ def test_missing_checkpoint_is_a_clear_error(shared_dirs, tmp_path):
     config = extract_features.get_config("test")
     config.data.data_dir = shared_dirs[0]
     with pytest.raises(weights.WeightsError, match="does not exist.*workdir of a jssl"):
-        weights.load_variables(str(tmp_path / "nowhere"), config)
+        weights.load_variables(str(tmp_path / "nowhere"), config, trunk_only=True)
     with pytest.raises(weights.WeightsError, match="No checkpoint found"):
-        weights.load_variables(str(tmp_path), config)
+        weights.load_variables(str(tmp_path), config, trunk_only=True)
     # No init.checkpoint and a workdir without checkpoints: say which flag to set.
     with pytest.raises(weights.WeightsError, match="--config.init.checkpoint"):
         extract_engine.run(config, str(tmp_path / "out"))
 
 
 def test_wrong_architecture_is_a_clear_error(shared_dirs, trained):
-    config = extract_config(shared_dirs, trained)
+    config = moco.get_config("test")  # the trained method, at another width
     config.model.width_multiplier = 0.25
     config.model.head_dims = (128, 32, 16)
     expected = r"(?s)does not fit.*checkpoint \(8,\), model \(16,\).*trained with"
@@ -313,7 +314,7 @@ def test_torch_trunk_is_imported_and_head_stays_random(shared_dirs, trained, tmp
 
     from jssl.models import torch_import
 
-    config = extract_config(shared_dirs, trained)
+    config = moco.get_config("test")  # a warm start's model: the trunk and a (random) head
     saved = jax.device_get(weights.load_variables(trained, config))
     state_dict = {}
     for collection in ("params", "batch_stats"):

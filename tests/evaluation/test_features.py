@@ -16,6 +16,7 @@ import pytest
 
 from jssl import parallel
 from jssl.evaluation import features
+from jssl.evaluation.batches import from_host_batches
 
 NUM_EXAMPLES, BATCH, SIZE = 13, 8, 4  # 13 = 8 + 5: the last batch has 3 padded rows
 
@@ -54,9 +55,8 @@ def _expected():
 def _collect(mesh):
     return features.collect_features(
         _forward,
-        _batches(),
+        from_host_batches(_batches(), mesh),
         ["avgpool", "res5"],
-        mesh,
         pool={"res5": lambda x: x.max((1, 2))},
         log_every=1,
     )
@@ -78,14 +78,17 @@ def test_exact_once_and_sorted():
 
 
 def test_feature_maps_keep_their_shape():
-    got = features.collect_features(_forward, _batches(), ["res5"], _one_device_mesh())
+    batches = from_host_batches(_batches(), _one_device_mesh())
+    got = features.collect_features(_forward, batches, ["res5"])
     assert got.features["res5"].shape == (NUM_EXAMPLES, SIZE // 2, SIZE // 2, 3)
     np.testing.assert_allclose(got.features["res5"], _expected()["res5"], rtol=1e-6)
 
 
 def test_unknown_layer_lists_taps():
     with pytest.raises(KeyError, match=r"res4.*avgpool.*head.*res5"):
-        features.collect_features(_forward, _batches(), ["res4"], _one_device_mesh())
+        features.collect_features(
+            _forward, from_host_batches(_batches(), _one_device_mesh()), ["res4"]
+        )
 
 
 def test_repeated_index_is_an_error():
@@ -95,7 +98,9 @@ def test_repeated_index_is_an_error():
         yield batch
 
     with pytest.raises(ValueError, match="more than once"):
-        features.collect_features(_forward, twice(), ["avgpool"], _one_device_mesh())
+        features.collect_features(
+            _forward, from_host_batches(twice(), _one_device_mesh()), ["avgpool"]
+        )
 
 
 def test_four_devices_match_one(tmp_path):
@@ -134,6 +139,23 @@ def test_padding_rows_may_carry_placeholder_indices():
         for batch in _batches():
             yield dict(batch, index=np.where(batch["mask"], batch["index"], -1))
 
-    result = features.collect_features(_forward, marked(), ["avgpool"], _one_device_mesh())
+    batches = from_host_batches(marked(), _one_device_mesh())
+    result = features.collect_features(_forward, batches, ["avgpool"])
     np.testing.assert_array_equal(result.indices, np.arange(NUM_EXAMPLES))
     np.testing.assert_allclose(result.features["avgpool"], _expected()["avgpool"], rtol=1e-6)
+
+
+def test_iterate_features_streams_the_real_rows():
+    def forward(image):
+        return {"avgpool": _forward(image)["avgpool"]}
+
+    stream = features.iterate_features(forward, from_host_batches(_batches(), _one_device_mesh()))
+    feats, labels, indices = zip(*stream, strict=True)
+    assert [len(i) for i in indices] == [BATCH, NUM_EXAMPLES - BATCH]  # padding dropped
+    indices = np.concatenate(indices)
+    assert indices.dtype == np.int64
+    order = np.argsort(indices)
+    np.testing.assert_array_equal(indices[order], np.arange(NUM_EXAMPLES))
+    np.testing.assert_array_equal(np.concatenate(labels)[order], np.arange(NUM_EXAMPLES) % 3)
+    avgpool = np.concatenate([f["avgpool"] for f in feats])[order]
+    np.testing.assert_allclose(avgpool, _expected()["avgpool"], rtol=1e-6)

@@ -19,6 +19,7 @@ from configs import moco
 from jssl import engines, parallel
 from jssl.engines import knn as knn_engine
 from jssl.evaluation import knn, knn_sharded
+from jssl.evaluation.batches import from_host_batches
 
 
 def _reference_scores(train, train_labels, test, num_classes, k, temperature):
@@ -109,6 +110,17 @@ SHARDED_CASES = (
 )
 
 
+def _pairs(x, labels, batch, mesh):
+    """(features, EvalBatch) of ``x`` in batches of ``batch``, the last padded."""
+    host = []
+    for start in range(0, len(x), batch):
+        rows = np.arange(start, start + batch)
+        mask = rows < len(x)
+        rows = np.where(mask, rows, 0)  # padding rows repeat example 0, masked out
+        host.append({"features": x[rows], "label": labels[rows], "index": rows, "mask": mask})
+    return [(b.batch["features"], b) for b in from_host_batches(host, mesh)]
+
+
 def _sharded_case(n_train, n_test, k, batch, block_rows, mesh):
     """(sharded top-k accuracies, host knn_accuracy, sharded top-k sims, bank size)."""
     rng = np.random.default_rng(n_train)
@@ -119,34 +131,15 @@ def _sharded_case(n_train, n_test, k, batch, block_rows, mesh):
     test = rng.normal(size=(n_test, 2, 3)).astype(np.float32)
     test_labels = rng.integers(0, num_classes, n_test)
 
-    def batches(x, labels):
-        for start in range(0, len(x), batch):
-            rows = np.arange(start, start + batch)
-            mask = rows < len(x)
-            rows = np.where(mask, rows, 0)  # padding rows repeat example 0, masked out
-            yield parallel.host_batch_to_global(
-                (x[rows], labels[rows].astype(np.int32), mask), mesh
-            )
-
-    builder = knn_sharded.BankBuilder(mesh, block_rows=block_rows)
-    for feats, labels, mask in batches(train, train_labels):
-        builder.add(feats, labels, mask)
-    bank = builder.finish()
-    sims, neighbours, kept_labels = [], [], []
-    kk = min(k, n_train)
-    for feats, labels, mask in batches(test, test_labels):
-        s, n = knn_sharded.sharded_top_k(bank, feats, kk)
-        keep = np.asarray(jax.device_get(mask))
-        sims.append(s[keep])
-        neighbours.append(n[keep])
-        kept_labels.append(np.asarray(jax.device_get(labels))[keep])
-    num_classes_seen = int(max(bank.max_label, np.concatenate(kept_labels).max())) + 1
-    got = knn.vote_accuracy(
-        np.concatenate(sims),
-        np.concatenate(neighbours),
-        np.concatenate(kept_labels),
-        num_classes=num_classes_seen,
-        k=kk,
+    train_pairs = _pairs(train, train_labels, batch, mesh)
+    bank = knn_sharded.build_bank(train_pairs, mesh, block_rows=block_rows)
+    # k beyond the bank is clamped (with a warning), as knn_scores does.
+    neighbours = knn_sharded.search(bank, _pairs(test, test_labels, batch, mesh), k)
+    np.testing.assert_array_equal(neighbours.query_labels, test_labels)
+    num_classes_seen = neighbours.num_classes
+    assert num_classes_seen == int(max(train_labels.max(), test_labels.max())) + 1
+    got = neighbours.accuracy(
+        k,
         temperature=0.07,
         chunk=16,  # several vote chunks, the last one padded
     )
@@ -159,7 +152,7 @@ def _sharded_case(n_train, n_test, k, batch, block_rows, mesh):
         k=k,
         temperature=0.07,
     )
-    return got, want, np.concatenate(sims), bank.num_examples
+    return got, want, neighbours.sims, bank.num_examples
 
 
 def _run_sharded_cases(mesh) -> dict[str, np.ndarray]:
@@ -218,6 +211,27 @@ def test_sharded_bank_keeps_rows_on_their_devices():
         knn_sharded.sharded_top_k(
             bank, parallel.host_batch_to_global(np.ones((8, 5), np.float32), mesh), 3
         )
+
+
+def test_one_search_serves_every_smaller_k():
+    """The kNN engine searches once at the largest k; each smaller k reads its first columns."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), (parallel.DATA_AXIS,))
+    rng = np.random.default_rng(1)
+    train, test = (rng.normal(size=(n, 5)).astype(np.float32) for n in (30, 11))
+    bank = knn_sharded.build_bank(_pairs(train, rng.integers(0, 4, 30), 8, mesh), mesh)
+    queries = _pairs(test, rng.integers(0, 4, 11), 8, mesh)
+    once = knn_sharded.search(bank, queries, 20)
+    assert once.sims.shape == (11, 20)
+    for k in (1, 3, 20):
+        alone = knn_sharded.search(bank, queries, k)
+        np.testing.assert_array_equal(once.sims[:, :k], alone.sims)
+        assert once.accuracy(k, 0.1) == alone.accuracy(k, 0.1)
+    with pytest.raises(ValueError, match="kept only the top 20"):
+        once.accuracy(21, 0.1)
+    # A k beyond the bank is clamped to it: a search of 40 keeps the 30 rows.
+    beyond = knn_sharded.search(bank, queries, 40)
+    assert beyond.sims.shape == (11, 30)
+    assert beyond.accuracy(40, 0.1) == beyond.accuracy(30, 0.1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from support.launch import scalar_values
 
 from configs import linear_eval as linear_eval_config
 from configs import moco
@@ -85,6 +86,44 @@ def test_heads_learn_separable_blobs_and_resume(blob_features, tmp_path):
     again = linear_eval.run(_cached_config(blob_features), workdir)
     assert again["step"] == summary["step"]
     assert again["results"] == summary["results"]
+
+
+def _written_steps(workdir, tag) -> list[int]:
+    return sorted(scalar_values(os.path.join(workdir, "tensorboard"), tag))
+
+
+def test_logs_saves_tests_and_resumes_on_schedule(blob_features, tmp_path):
+    """8 steps per epoch, 3 epochs: windows of 3 steps and the steps after an epoch's last
+    full window, a save every 3 steps and (forced) at each epoch's end, a test phase after
+    epoch 2 (the final heads are tested after the loop); stopped at step 10 by
+    debug.max_steps, the rerun resumes there and ends as the uninterrupted run does."""
+
+    def config(max_steps=-1):
+        c = _cached_config(blob_features)
+        c.num_epochs, c.log_every_steps, c.test_every_epochs = 3, 3, 2
+        c.checkpoint.every_steps, c.checkpoint.max_to_keep = 3, 0
+        c.debug.max_steps = max_steps
+        return c
+
+    whole = str(tmp_path / "whole")
+    expected = linear_eval.run(config(), whole)
+    assert expected["step"] == 24
+    assert _written_steps(whole, "train/loss") == [3, 6, 8, 9, 12, 15, 16, 18, 21, 24]
+    saved = os.listdir(os.path.join(whole, "checkpoints"))
+    assert sorted(int(d) for d in saved if d.isdigit()) == [3, 6, 8, 9, 12, 15, 16, 18, 21, 24]
+    assert _written_steps(whole, "test/avgpool/top1") == [16, 24]
+
+    resumed = str(tmp_path / "resumed")
+    assert linear_eval.run(config(max_steps=10), resumed)["step"] == 10
+    assert _written_steps(resumed, "train/loss") == [3, 6, 8, 9, 10]
+    assert _written_steps(resumed, "test/avgpool/top1") == [10]  # the final test only
+    summary = linear_eval.run(config(), resumed)
+    assert summary["step"] == 24 and summary["results"] == expected["results"]
+    assert _written_steps(resumed, "test/avgpool/top1") == [10, 16, 24]
+    np.testing.assert_array_equal(
+        jax.device_get(summary["state"].params["res5"]["fc"]["kernel"]),
+        jax.device_get(expected["state"].params["res5"]["fc"]["kernel"]),
+    )
 
 
 def test_missing_layer_names_the_available_ones(blob_features, tmp_path):

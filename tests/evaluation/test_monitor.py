@@ -13,6 +13,7 @@ from configs import moco
 from jssl import methods, parallel
 from jssl.engines import train
 from jssl.evaluation import features, monitor
+from jssl.evaluation.batches import eval_batches
 from jssl.training.step import make_forward
 
 NUM_TEST = 50  # test[:50] in batches of 16: the last batch has 14 padding rows
@@ -74,11 +75,9 @@ def test_test_phase_is_one_pass_over_every_example(setup, tmp_path):
     assert os.path.exists(out / "embedding_pca.png")
 
     # The outputs are of the evaluation transform (centre crop), not of augmented views.
-    batches = monitor.data.build_eval_dataset(
-        config.data, config.data.test_split, batch_size=config.data.batch_size
-    ).as_numpy_iterator()
+    batches = eval_batches(config.data, config.data.test_split, config.data.batch_size, mesh)
     clean = features.collect_features(
-        lambda images: make_forward(method, mesh)(state, images), batches, ["avgpool"], mesh
+        lambda images: make_forward(method, mesh)(state, images), batches, ["avgpool"]
     )
     np.testing.assert_array_equal(clean.labels, np.load(out / "labels.npy"))
     np.testing.assert_allclose(
