@@ -1,7 +1,7 @@
 """BYOL: its loss on hand-computed cases (the target gets no gradient), the target's EMA in
 the real step (cosine momentum, updated after the step, no predictor), presets, start-up
-checks (1 vs 4 devices: tests/training/test_parallel.py; the contract: test_contract.py; a run
-end to end: test_contract_runs.py)."""
+checks (its step's wiring on 1 vs 4 devices: MoCo v3's in tests/training/test_parallel.py; the
+contract: test_contract.py; a run end to end: test_contract_runs.py)."""
 
 import jax
 import jax.numpy as jnp
