@@ -79,6 +79,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     # every step (SimSiam's fixed predictor rate). () = one group at the schedule.
     o.param_groups = ()
     o.grad_clip_per_parameter = 0.0  # >0: each parameter's gradient norm clipped (DINO clip_grad)
+    # >1: each device's share of data.batch_size in this many micro-batches, the loss and its
+    # gradient still exactly the method's over the whole batch (jssl.training.accumulation;
+    # batch norm normalises per micro-batch). Memory of one micro-batch, one extra forward.
+    o.accumulation_steps = 1
 
     c.init = ml_collections.ConfigDict()
     # Weights to start from when the workdir has no checkpoint to resume (the workdir's own

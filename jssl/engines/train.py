@@ -39,8 +39,8 @@ from jssl.checkpoints import warm_start
 from jssl.data import device_augment
 from jssl.engines import knn as knn_engine
 from jssl.evaluation import monitor
+from jssl.training import accumulation, finite, preemption, probe, summaries
 from jssl.training import batches as batches_lib
-from jssl.training import finite, preemption, probe, summaries
 from jssl.training import state as train_state
 from jssl.training.progress import Plan, Progress, Window, position_after
 from jssl.training.step import make_forward, make_train_step, stop_flags
@@ -61,6 +61,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"probe.num_classes={config.probe.num_classes} must be >= 0 (0 turns the probe off)."
         )
     parallel.check_batch_divisible(config.data.batch_size)
+    accumulation.check_config(config)
     checkpoint.check_config(config.checkpoint)
     data.crop_groups(config.data)
     methods.check_config(config)
@@ -152,6 +153,7 @@ def run(
             mesh,
             probe_config=config if probe.enabled(config) else None,
             augment=device_augment.make_batch_augment(config.data),
+            accumulation_steps=config.optim.accumulation_steps,
         )
         eval_step = monitor.make_test_step(config, method, mesh)
         forward = make_forward(method, mesh)

@@ -20,8 +20,8 @@ Two implementations of the same classifier:
   an ``(n_test, n_train)`` similarity matrix, and never has to sit on the device whole.
 - ``jssl.evaluation.knn_sharded`` keeps a bank that is computed on the fly (the train engine's kNN
   monitor, the kNN engine without a features directory) where it is produced, on the devices;
-  its ``sharded_top_k`` gives each query's sorted neighbours, which ``vote_accuracy`` (here)
-  turns into accuracies.
+  its ``search`` gives each query's sorted neighbours, which ``vote_accuracy`` (here) turns
+  into accuracies.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def vote_accuracy(
 ) -> dict[str, float]:
     """Weighted-kNN accuracies (%) from the queries' sorted top neighbours.
 
-    ``top_sims``/``top_labels`` (n, >= k) come from ``evaluation.knn_sharded.sharded_top_k``, best
+    ``top_sims``/``top_labels`` (n, >= k) come from ``evaluation.knn_sharded.search``, best
     first, so the first ``k`` columns are the top-k for any smaller k: one search serves
     several k.
     """

@@ -233,13 +233,13 @@ def loss(
     """``(loss, LossOutput)``: the method's forward, then :func:`objective_loss` on its
     embeddings; what the train step differentiates w.r.t. ``params``."""
     out = method.forward(params, state, batch, rng, train)
-    _check_forward(method, out, batch["crops"][0].shape[0])
+    check_forward(method, out, batch["crops"][0].shape[0])
     value, weighted = objective_loss(method, out.embeddings, state, batch, train)
     return value, weighted._replace(
         batch_stats=out.batch_stats,
         features=out.features,
         embeddings=out.head,
-        carry=_merged_carry(method, out.carry, weighted.carry),
+        carry=merged_carry(method, out.carry, weighted.carry),
     )
 
 
@@ -280,7 +280,7 @@ def _shape_error(method: Method, what: str, shape: Any, wanted: str) -> ValueErr
     )
 
 
-def _check_forward(method: Method, out: Any, n: int) -> None:
+def check_forward(method: Method, out: Any, n: int) -> None:
     """Trace-time checks of a forward's output against the contract (shapes only: free)."""
     if not isinstance(out, Forward):
         raise TypeError(
@@ -324,7 +324,7 @@ def _check_objective(method: Method, out: Any, n: int) -> None:
             raise _shape_error(method, f"Objective.{name}", value.shape, f"({n},), per example")
 
 
-def _merged_carry(method: Method, *carries: dict | None) -> dict | None:
+def merged_carry(method: Method, *carries: dict | None) -> dict | None:
     """The forward's and the objective's carries as one dict (None where both are)."""
     given = [c for c in carries if c is not None]
     if not given:

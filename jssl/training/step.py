@@ -24,6 +24,7 @@ from jssl import methods
 from jssl.methods import Method
 from jssl.methods.common import mean_over_devices
 from jssl.parallel import DATA_AXIS
+from jssl.training import accumulation
 from jssl.training import probe as online_probe
 from jssl.training.finite import all_finite
 from jssl.training.state import TrainState
@@ -36,6 +37,7 @@ def make_train_step(
     mesh: Mesh,
     probe_config: Any = None,
     augment: Callable[[Any], Any] | None = None,
+    accumulation_steps: int = 1,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted, state-donating train step over ``mesh``.
 
@@ -49,6 +51,9 @@ def make_train_step(
 
     ``augment`` (jssl.data.device_augment.make_batch_augment, data.augment.on_device) turns
     the host's uint8 crops into the method's views first, per example, so per replica.
+
+    ``accumulation_steps`` > 1 computes the loss and gradient over that many micro-batches of
+    each replica's examples, exactly as over the whole batch (jssl.training.accumulation).
     """
 
     replicas = mesh.shape[DATA_AXIS]
@@ -66,8 +71,13 @@ def make_train_step(
         # get it for free; per-replica randomness folds in jax.lax.axis_index(DATA_AXIS).
         rng = jax.random.fold_in(state.rng, state.step)
         # jssl.methods.loss: weighted(objective(forward(params))), differentiated w.r.t. params.
-        grad_fn = jax.value_and_grad(functools.partial(methods.loss, method), has_aux=True)
-        (loss, out), grads = grad_fn(state.params, state, batch, rng)
+        if accumulation_steps > 1:
+            (loss, out), grads = accumulation.value_and_grad(
+                method, state.params, state, batch, rng, accumulation_steps
+            )
+        else:
+            grad_fn = jax.value_and_grad(functools.partial(methods.loss, method), has_aux=True)
+            (loss, out), grads = grad_fn(state.params, state, batch, rng)
         # Equal local batches, so the mean of per-replica means is the global mean.
         grads = replica_mean(grads)
         loss = replica_mean(loss)

@@ -1,0 +1,119 @@
+"""Exact gradient accumulation: the method's loss over the whole batch, its memory per
+micro-batch (``optim.accumulation_steps``).
+
+Rescaling the learning rate over micro-batch losses changes a method whose loss couples the
+examples of a batch (a contrastive loss over a quarter of the batch sees a quarter of the
+negatives; DINO's centre, SwAV's Sinkhorn, Barlow Twins' and VICReg's statistics see a quarter
+of the batch). This composes the method's forward and objective the other way round, as the
+"gradient cache" does (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under
+Memory Limited Setup"):
+
+1. every micro-batch is embedded with the forward, keeping no activations (``lax.map``);
+2. the objective runs once on the embeddings of the whole local batch (so across devices on
+   the whole global batch), and gives the loss and its gradient with respect to them;
+3. each micro-batch is forwarded again and back-propagated with its slice of that gradient
+   (``lax.scan``: one micro-batch's activations at a time), and the parameter gradients add up.
+
+The loss, the metrics, the carry for ``after_update`` (keys to enqueue, DINO's centre) and the
+gradient are those of one pass over the whole batch; the cost is one extra forward. Batch
+norm in train mode normalises each micro-batch on its own, as any accumulation does; its new
+running statistics (and a teacher's, in the forward's carry) are the mean of the
+micro-batches'. Randomness drawn per row of the batch (DINO's ViT drop path) is drawn per row
+of the micro-batch. See docs/operations.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jssl import methods
+from jssl.methods import LossOutput, Method
+
+
+def check_config(config) -> None:
+    """Each device's share of data.batch_size must split into optim.accumulation_steps."""
+    steps = config.optim.get("accumulation_steps", 1)
+    per_device = config.data.batch_size // jax.device_count()
+    if steps < 1 or per_device % steps:
+        raise ValueError(
+            f"optim.accumulation_steps={steps} must be >= 1 and divide each device's share of "
+            f"data.batch_size ({config.data.batch_size} over {jax.device_count()} devices: "
+            f"{per_device} examples); pick a divisor of {per_device}."
+        )
+
+
+def value_and_grad(
+    method: Method, params: Any, state: Any, batch: dict, rng: jax.Array, steps: int
+) -> tuple[tuple[jax.Array, LossOutput], Any]:
+    """``((loss, LossOutput), grads)`` of ``methods.loss(method, params, ...)`` over ``batch``
+    (this replica's examples), computed over ``steps`` micro-batches of its rows in order."""
+    n = batch["crops"][0].shape[0]
+    if n % steps:
+        raise ValueError(
+            f"The local batch of {n} examples does not split into "
+            f"optim.accumulation_steps={steps} equal micro-batches."
+        )
+    micro = jax.tree.map(lambda x: _split(x, steps), batch)
+
+    def embed(micro_batch):
+        out = method.forward(params, state, micro_batch, rng, True)
+        methods.check_forward(method, out, n // steps)
+        return out
+
+    forwards = jax.lax.map(embed, micro)  # every leaf (steps, ...)
+    embeddings = jax.tree.map(_join_crops, forwards.embeddings)
+
+    def objective(embeddings):
+        return methods.objective_loss(method, embeddings, state, batch, True)
+
+    (value, weighted), cotangent = jax.value_and_grad(objective, has_aux=True)(embeddings)
+    micro_cotangents = jax.tree.map(lambda g: _split_crops(g, steps), cotangent)
+
+    def backward(grads, xs):
+        micro_batch, micro_cotangent = xs
+
+        def embeddings_of(params):
+            return method.forward(params, state, micro_batch, rng, True).embeddings
+
+        _, pullback = jax.vjp(embeddings_of, params)
+        (micro_grads,) = pullback(micro_cotangent)
+        return jax.tree.map(jnp.add, grads, micro_grads), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, _ = jax.lax.scan(backward, zeros, (micro, micro_cotangents))
+
+    mean = lambda tree: jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)  # noqa: E731
+    out = weighted._replace(
+        batch_stats=mean(forwards.batch_stats),
+        features=_join_rows(forwards.features),
+        embeddings=None if forwards.head is None else _join_rows(forwards.head),
+        carry=methods.merged_carry(
+            method, None if forwards.carry is None else mean(forwards.carry), weighted.carry
+        ),
+    )
+    return (value, out), grads
+
+
+def _split(x: jax.Array, steps: int) -> jax.Array:
+    """(n, ...) -> (steps, n / steps, ...): micro-batch j holds rows j*m .. (j+1)*m - 1."""
+    return x.reshape(steps, x.shape[0] // steps, *x.shape[1:])
+
+
+def _join_rows(x: jax.Array) -> jax.Array:
+    """(steps, m, ...) -> (steps * m, ...), the rows back in the batch's order."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _join_crops(x: jax.Array) -> jax.Array:
+    """(steps, crops, m, ...) -> (crops, steps * m, ...): the contract's embeddings layout."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _split_crops(x: jax.Array, steps: int) -> jax.Array:
+    """(crops, n, ...) -> (steps, crops, n / steps, ...), the inverse of ``_join_crops``."""
+    x = x.reshape(x.shape[0], steps, x.shape[1] // steps, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
