@@ -19,6 +19,7 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
   head_bias           biases on the head's Dense layers (default True when the field is absent;
                       Barlow Twins and VICReg set False)
   dtype               "float32" | "bfloat16" computation dtype
+  remat               "none" | "full" | "dots": trunk blocks recomputed in the backward pass
   sync_bn             read by the caller, who passes ``bn_axis_name`` accordingly
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
+from jssl.models import remat as remat_lib
 from jssl.models.heads import MLPHead
 from jssl.models.model import TrunkAndHead
 from jssl.models.resnet import ResNet, feature_dim, supported_depths
@@ -73,6 +75,9 @@ def default_config() -> ml_collections.ConfigDict:
     m.drop_path_rate = 0.0
     m.pos_embed_init = "learned"  # or "sincos": MoCo v3's fixed 2-D sin-cos values
     m.vit_depth = 0  # 0: the size's 12 blocks; fewer for tests and CPU demos
+    # Trunk blocks recomputed in the backward pass (jssl.models.remat): "none" | "full" (keep
+    # each block's input) | "dots" (and its matmul outputs). Same results, less memory.
+    m.remat = "none"
     return m
 
 
@@ -171,6 +176,7 @@ def build_trunk(
         num_classes=num_classes,
         dtype=_dtype(model_config.dtype),
         bn_axis_name=bn_axis_name,
+        remat=_remat(model_config),
     )
 
 
@@ -200,7 +206,14 @@ def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
         drop_path_rate=rate,
         pos_embed_init=str(model_config.get("pos_embed_init", "learned")),
         dtype=_dtype(model_config.dtype),
+        remat=_remat(model_config),
     )
+
+
+def _remat(model_config: ml_collections.ConfigDict) -> str:
+    value = str(model_config.get("remat", "none"))
+    remat_lib.check(value)
+    return value
 
 
 def build_model(

@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jssl.models import remat as remat_lib
 from jssl.models.cpu_ops import cpu_convolution, cpu_max_pool
 
 # depth -> (block kind, blocks per stage), as in torchvision's resnet18..resnet152.
@@ -162,6 +163,7 @@ class ResNet(nn.Module):
     bn_axis_name: str | None = None  # named axis to average BN statistics over (sync BN)
     bn_momentum: float = 0.9  # flax convention: 1 - PyTorch's momentum of 0.1
     bn_epsilon: float = 1e-5
+    remat: str = "none"  # jssl.models.remat: blocks recomputed in the backward pass
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = True) -> dict[str, jax.Array]:
@@ -170,7 +172,7 @@ class ResNet(nn.Module):
                 f"Unsupported ResNet depth {self.depth}; valid depths: {supported_depths()}"
             )
         kind, blocks = _ARCHS[self.depth]
-        block_cls = BasicBlock if kind == "basic" else Bottleneck
+        block_cls = remat_lib.wrap(BasicBlock if kind == "basic" else Bottleneck, self.remat)
         widths = stage_widths(self.width_multiplier)
 
         on_cpu = jax.default_backend() == "cpu"

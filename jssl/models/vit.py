@@ -38,6 +38,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jssl.models import remat as remat_lib
+
 # name -> (embed dim, depth, heads): DeiT's tiny / small / base, the sizes DINO and MoCo v3 use.
 SIZES: dict[str, tuple[int, int, int]] = {
     "vit_tiny": (192, 12, 3),
@@ -202,6 +204,7 @@ class VisionTransformer(nn.Module):
     # sin-cos values; the method holds them fixed through the optimizer's freeze)
     pos_embed_init: str = "learned"
     dtype: Any = jnp.float32  # computation dtype; parameters stay float32
+    remat: str = "none"  # jssl.models.remat: blocks recomputed in the backward pass
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = True) -> dict[str, jax.Array]:
@@ -245,9 +248,10 @@ class VisionTransformer(nn.Module):
 
         norm = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name="norm")
         taps: dict[str, jax.Array] = {}
+        block_cls = remat_lib.wrap(Block, self.remat, static_argnums=(2,))
         for i in range(self.depth):
             rate = self.drop_path_rate * i / max(self.depth - 1, 1)
-            block = Block(
+            block = block_cls(
                 self.num_heads,
                 self.mlp_ratio,
                 rate,
