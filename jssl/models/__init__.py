@@ -3,13 +3,13 @@
 The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
 (``vissl/config/defaults.yaml``) flattened into one ``ml_collections.ConfigDict``:
 
-  trunk               "resnet{18,34,50,101,152}" or "vit_{tiny,small,base}"
+  trunk               "resnet{18,34,50,101,152}" or "vit_{tiny,small,base,large,huge,giant}"
   patch_size          ViT patch size (16 or 8 for the published models)
   image_size          ViT: the resolution its position embeddings are laid out for (224);
                       other input sizes resample them
   drop_path_rate      ViT stochastic depth of the last block (linear from 0 over the blocks)
   pos_embed_init      ViT position embeddings: "learned" (timm, DINO) or "sincos" (MoCo v3)
-  vit_depth           ViT blocks; 0 (default) for the size's 12 (fewer for tests and CPU demos)
+  vit_depth           ViT blocks; 0 (default) for the size's own (fewer for tests and CPU demos)
   width_multiplier    scales every channel width (SimCLR's wide ResNets)
   cifar_stem          3x3 stride-1 stem without max-pool, for 32px images
   zero_init_residual  zero gamma on each block's last BN (Goyal et al. 2017)
@@ -58,7 +58,8 @@ def default_config() -> ml_collections.ConfigDict:
     """The model fields of every jssl config (configs/base.py starts from these): ResNet-50
     with SimCLR's 2048-2048-128 projection head, float32, per-device batch norm."""
     m = ml_collections.ConfigDict()
-    m.trunk = "resnet50"  # resnet18/34/50/101/152/200, vit_tiny/small/base (valid_trunks())
+    # resnet18/34/50/101/152/200, vit_tiny/small/base/large/huge/giant (valid_trunks())
+    m.trunk = "resnet50"
     m.width_multiplier = 1.0
     m.cifar_stem = False  # 3x3 stride-1 stem without max-pool, for 32 px images
     m.zero_init_residual = False
@@ -74,7 +75,7 @@ def default_config() -> ml_collections.ConfigDict:
     m.image_size = 224
     m.drop_path_rate = 0.0
     m.pos_embed_init = "learned"  # or "sincos": MoCo v3's fixed 2-D sin-cos values
-    m.vit_depth = 0  # 0: the size's 12 blocks; fewer for tests and CPU demos
+    m.vit_depth = 0  # 0: the size's own depth (12 .. 40 blocks); fewer for tests and CPU demos
     # Trunk blocks recomputed in the backward pass (jssl.models.remat): "none" | "full" (keep
     # each block's input) | "dots" (and its matmul outputs). Same results, less memory.
     m.remat = "none"
@@ -182,8 +183,8 @@ def build_trunk(
 
 def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
     """The ViT of ``model_config.trunk`` with its patch size, image size and drop path."""
-    embed_dim, depth, heads = VIT_SIZES[model_config.trunk]
-    depth = int(model_config.get("vit_depth", 0)) or depth  # 0: the size's 12 blocks
+    embed_dim, depth, heads, mlp_dim = VIT_SIZES[model_config.trunk]
+    depth = int(model_config.get("vit_depth", 0)) or depth  # 0: the size's own depth
     if depth < 0:
         raise ValueError(f"model.vit_depth={depth} must be >= 0 (0: the size's own depth).")
     patch = int(model_config.get("patch_size", 16))
@@ -201,6 +202,7 @@ def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
         embed_dim=embed_dim,
         depth=depth,
         num_heads=heads,
+        mlp_dim=mlp_dim,
         patch_size=patch,
         image_size=image_size,
         drop_path_rate=rate,

@@ -41,10 +41,15 @@ import jax.numpy as jnp
 from jssl.models import remat as remat_lib
 
 # name -> (embed dim, depth, heads): DeiT's tiny / small / base, the sizes DINO and MoCo v3 use.
-SIZES: dict[str, tuple[int, int, int]] = {
-    "vit_tiny": (192, 12, 3),
-    "vit_small": (384, 12, 6),
-    "vit_base": (768, 12, 12),
+# (width, blocks, heads, MLP width) of timm's configurations of the same names; ViT-g/14 is
+# timm's vit_giant_patch14 (Zhai et al. 2022, "Scaling Vision Transformers": MLP 6144).
+SIZES: dict[str, tuple[int, int, int, int]] = {
+    "vit_tiny": (192, 12, 3, 768),
+    "vit_small": (384, 12, 6, 1536),
+    "vit_base": (768, 12, 12, 3072),
+    "vit_large": (1024, 24, 16, 4096),
+    "vit_huge": (1280, 32, 16, 5120),
+    "vit_giant": (1408, 40, 16, 6144),
 }
 PATCH_SIZES = (8, 14, 16, 32)
 
@@ -154,7 +159,7 @@ class Block(nn.Module):
     """Pre-norm transformer block: ``x + drop(attn(norm1(x)))``, ``x + drop(mlp(norm2(x)))``."""
 
     num_heads: int
-    mlp_ratio: float = 4.0
+    mlp_dim: int = 0  # 0: 4 x the width
     drop_path: float = 0.0
     dtype: Any = jnp.float32
     drop_path_axis: str | None = None  # DropPath.axis_name
@@ -169,7 +174,7 @@ class Block(nn.Module):
         x = x + drop(Attention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x)), train)
         h = norm("norm2")(x)
         h = nn.Dense(
-            int(d * self.mlp_ratio),
+            self.mlp_dim or 4 * d,
             kernel_init=_trunc_normal,
             dtype=self.dtype,
             param_dtype=jnp.float32,
@@ -195,7 +200,7 @@ class VisionTransformer(nn.Module):
     num_heads: int = 6
     patch_size: int = 16
     image_size: int = 224
-    mlp_ratio: float = 4.0
+    mlp_dim: int = 0  # 0: 4 x embed_dim
     drop_path_rate: float = 0.0  # the last block's; block i's is rate * i / (depth - 1)
     # The step's data axis, for drop-path masks that do not depend on the device count
     # (DropPath.axis_name); None draws each replica's masks from its own key.
@@ -253,7 +258,7 @@ class VisionTransformer(nn.Module):
             rate = self.drop_path_rate * i / max(self.depth - 1, 1)
             block = block_cls(
                 self.num_heads,
-                self.mlp_ratio,
+                self.mlp_dim,
                 rate,
                 self.dtype,
                 self.drop_path_axis,

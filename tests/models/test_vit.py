@@ -126,10 +126,12 @@ def test_forward_matches_torch(tiny224, size):
 
 
 def test_parameter_counts_match_the_published_models():
-    """ViT-S/16 21.7M and ViT-B/16 85.8M parameters without a head (DeiT Table 1; timm)."""
+    """Without the 1000-class head: ViT-S/16 21.7M and ViT-B/16 85.8M (DeiT Table 1; timm);
+    ViT-L/16, ViT-H/14 and ViT-g/14 timm's 304,326,632, 632,045,800 and 1,012,611,432 less
+    their heads (1024, 1280 and 1408 x 1000 weights and 1000 biases)."""
 
-    def count(trunk):
-        model = models.build_trunk(_model_config(trunk))
+    def count(trunk, patch=16):
+        model = models.build_trunk(_model_config(trunk, patch))
         shapes = jax.eval_shape(
             lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)
         )
@@ -137,7 +139,11 @@ def test_parameter_counts_match_the_published_models():
 
     assert count("vit_small") == 21_665_664
     assert count("vit_base") == 85_798_656
+    assert count("vit_large") == 304_326_632 - 1_025_000
+    assert count("vit_huge", 14) == 632_045_800 - 1_281_000
+    assert count("vit_giant", 14) == 1_012_611_432 - 1_409_000
     assert models.trunk_feature_dim(_model_config("vit_base")) == 768
+    assert models.trunk_feature_dim(_model_config("vit_giant", 14)) == 1408
 
 
 @pytest.mark.parametrize("layout", ["dino_teacher", "mocov3", "plain"])
@@ -247,8 +253,8 @@ def test_bad_sizes_are_clear():
     trunk = models.build_trunk(_model_config(patch=16, image_size=32))
     with pytest.raises(ValueError, match="24x24 px is not a multiple of the patch size 16"):
         trunk.init(jax.random.key(0), jnp.zeros((1, 24, 24, 3)), train=False)
-    with pytest.raises(ValueError, match="Unknown trunk 'vit_huge'.*vit_small"):
-        models.build_trunk(_model_config("vit_huge"))
+    with pytest.raises(ValueError, match="Unknown trunk 'vit_enormous'.*vit_giant"):
+        models.build_trunk(_model_config("vit_enormous"))
 
 
 @pytest.fixture(scope="module")
