@@ -45,7 +45,7 @@ from jssl.evaluation.frozen import load_frozen_model
 from jssl.evaluation.results import make_writer, write_results
 from jssl.training import batches as batches_lib
 from jssl.training import probe
-from jssl.training.progress import Plan, Progress, Window, position_after
+from jssl.training.progress import Plan, Progress, Window
 
 PyTree = Any
 
@@ -158,12 +158,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     ):
         state, metrics = train_step(state, trunk, parallel.host_batch_to_global(host_batch, mesh))
         window.metrics.append(metrics)
-        progress = Progress(
-            step=step,
-            epoch=epoch,
-            epochs=epoch + (index + 1) / plan.steps_per_epoch,
-            next=position_after(epoch, index, plan.steps_per_epoch),
-        )
+        progress = Progress.after(step, epoch, index, plan)
         report_progress(step)
         if write_metrics(step, progress=progress, window=window):
             window = Window()

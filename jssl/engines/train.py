@@ -42,7 +42,7 @@ from jssl.evaluation import monitor
 from jssl.training import accumulation, finite, preemption, probe, summaries
 from jssl.training import batches as batches_lib
 from jssl.training import state as train_state
-from jssl.training.progress import Plan, Progress, Window, position_after
+from jssl.training.progress import Plan, Progress, Window
 from jssl.training.step import make_forward, make_train_step, stop_flags
 
 # Raised when the loss, the gradients or the state become non-finite (named here by the tests).
@@ -218,12 +218,7 @@ def run(
             batch = parallel.host_batch_to_global(host_batch, mesh)
             state, metrics = train_step(state, batch, stop_flags(mesh, stop_request.requested))
             window.metrics.append(metrics)
-            progress = Progress(
-                step=step,
-                epoch=epoch,
-                epochs=epoch + (index + 1) / plan.steps_per_epoch,
-                next=position_after(epoch, index, plan.steps_per_epoch),
-            )
+            progress = Progress.after(step, epoch, index, plan)
 
             report_progress(step)
             if profile is not None:

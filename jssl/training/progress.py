@@ -67,6 +67,16 @@ class Progress:
     epochs: float  # the epochs trained so far, as a fraction
     next: DataPosition  # the batch after this one, where a resume would start
 
+    @classmethod
+    def after(cls, step: int, epoch: int, index: int, plan: Plan) -> Progress:
+        """The progress once batch ``index`` of ``epoch`` is trained, ``step`` steps in all."""
+        return cls(
+            step=step,
+            epoch=epoch,
+            epochs=epoch + (index + 1) / plan.steps_per_epoch,
+            next=position_after(epoch, index, plan.steps_per_epoch),
+        )
+
 
 @dataclasses.dataclass
 class Window:

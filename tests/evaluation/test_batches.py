@@ -7,13 +7,12 @@ test starts it in a fresh process with XLA_FLAGS forcing 4 CPU devices, because 
 already be initialised with one device in the pytest process.
 """
 
-import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from support.devices import run_on_devices
 
 from jssl import data, parallel
 from jssl.evaluation.batches import MAX_INDEX, eval_batches, from_host_batches
@@ -79,14 +78,7 @@ def test_every_example_once_on_one_device():
 
 
 def test_every_example_once_on_four_devices(tmp_path):
-    out = tmp_path / "four.npz"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, __file__, str(out)], env=env, check=True, timeout=60)
-    rows = dict(np.load(out))
+    rows = run_on_devices(__file__, tmp_path / "four.npz", timeout=60)
     assert int(rows.pop("num_devices")) == 4
     _check(rows)
     one = _read(_one_device_mesh())

@@ -6,13 +6,12 @@ process with XLA_FLAGS forcing 4 CPU devices, because JAX may already be initial
 one device in the pytest process.
 """
 
-import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from support.devices import run_on_devices
 
 from jssl import parallel
 from jssl.evaluation import features
@@ -104,15 +103,7 @@ def test_repeated_index_is_an_error():
 
 
 def test_four_devices_match_one(tmp_path):
-    out = tmp_path / "four.npz"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    # jssl is imported from the checkout, which the script's own directory (tests/) is not.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, __file__, str(out)], env=env, check=True, timeout=60)
-    four = np.load(out)
+    four = run_on_devices(__file__, tmp_path / "four.npz", timeout=60)
     assert int(four["num_devices"]) == 4
     one = _collect(_one_device_mesh())
     np.testing.assert_array_equal(four["indices"], one.indices)

@@ -7,12 +7,12 @@ with XLA_FLAGS forcing 4 CPU devices, as JAX may already have one device in pyte
 """
 
 import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from support.devices import run_on_devices
 
 from configs import knn as knn_config
 from configs import moco
@@ -182,14 +182,7 @@ def test_sharded_bank_matches_host_knn_on_one_device():
 
 
 def test_sharded_bank_matches_host_knn_on_four_devices(tmp_path):
-    out = tmp_path / "four.npz"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    subprocess.run([sys.executable, __file__, str(out)], env=env, check=True, timeout=120)
-    results = np.load(out)
+    results = run_on_devices(__file__, tmp_path / "four.npz")
     assert int(results["num_devices"]) == 4
     _check_sharded(results)
 
