@@ -1,16 +1,18 @@
-"""Models: ResNet trunks, MLP heads and the trunk+head model, built from ``config.model``.
+"""Models: ResNet, ViT and RegNetY trunks, MLP heads and the trunk+head model, built from
+``config.model``.
 
 The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
 (``vissl/config/defaults.yaml``) flattened into one ``ml_collections.ConfigDict``:
 
-  trunk               "resnet{18,34,50,101,152}" or "vit_{tiny,small,base,large,huge,giant}"
+  trunk               "resnet{18,34,50,101,152}", "vit_{tiny,small,base,large,huge,giant}" or
+                      "regnet_y_{16,32,64,128,256}gf" (SEER's trunks)
   patch_size          ViT patch size (16 or 8 for the published models)
   image_size          ViT: the resolution its position embeddings are laid out for (224);
                       other input sizes resample them
   drop_path_rate      ViT stochastic depth of the last block (linear from 0 over the blocks)
   pos_embed_init      ViT position embeddings: "learned" (timm, DINO) or "sincos" (MoCo v3)
   vit_depth           ViT blocks; 0 (default) for the size's own (fewer for tests and CPU demos)
-  width_multiplier    scales every channel width (SimCLR's wide ResNets)
+  width_multiplier    scales every channel width (SimCLR's wide ResNets; 1.0 for RegNets)
   cifar_stem          3x3 stride-1 stem without max-pool, for 32px images
   zero_init_residual  zero gamma on each block's last BN (Goyal et al. 2017)
   head_dims           (in, hidden..., out) of the MLP head; () for no head
@@ -34,12 +36,16 @@ import ml_collections
 from jssl.models import remat as remat_lib
 from jssl.models.heads import MLPHead
 from jssl.models.model import TrunkAndHead
+from jssl.models.regnet import SIZES as REGNET_SIZES
+from jssl.models.regnet import RegNet
+from jssl.models.regnet import feature_dim as regnet_feature_dim
 from jssl.models.resnet import ResNet, feature_dim, supported_depths
 from jssl.models.vit import SIZES as VIT_SIZES
 from jssl.models.vit import VisionTransformer
 
 __all__ = [
     "MLPHead",
+    "RegNet",
     "ResNet",
     "TrunkAndHead",
     "VisionTransformer",
@@ -58,7 +64,7 @@ def default_config() -> ml_collections.ConfigDict:
     """The model fields of every jssl config (configs/base.py starts from these): ResNet-50
     with SimCLR's 2048-2048-128 projection head, float32, per-device batch norm."""
     m = ml_collections.ConfigDict()
-    # resnet18/34/50/101/152/200, vit_tiny/small/base/large/huge/giant (valid_trunks())
+    # resnet18/34/50/101/152, vit_tiny/.../giant, regnet_y_16gf/.../256gf (valid_trunks())
     m.trunk = "resnet50"
     m.width_multiplier = 1.0
     m.cifar_stem = False  # 3x3 stride-1 stem without max-pool, for 32 px images
@@ -83,11 +89,15 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def valid_trunks() -> list[str]:
-    return [f"resnet{d}" for d in supported_depths()] + list(VIT_SIZES)
+    return [f"resnet{d}" for d in supported_depths()] + list(VIT_SIZES) + list(REGNET_SIZES)
 
 
 def is_vit(model_config: ml_collections.ConfigDict) -> bool:
     return str(model_config.trunk) in VIT_SIZES
+
+
+def is_regnet(model_config: ml_collections.ConfigDict) -> bool:
+    return str(model_config.trunk) in REGNET_SIZES
 
 
 def _depth(trunk: str) -> int:
@@ -106,9 +116,11 @@ def _dtype(name: str) -> jnp.dtype:
 
 def trunk_feature_dim(model_config: ml_collections.ConfigDict) -> int:
     """Width of the trunk's ``avgpool`` features, e.g. 2048 for resnet50, 512 for resnet18,
-    384 for vit_small."""
+    384 for vit_small, 3024 for regnet_y_16gf (its last stage's width)."""
     if is_vit(model_config):
         return VIT_SIZES[model_config.trunk][0]
+    if is_regnet(model_config):
+        return regnet_feature_dim(model_config.trunk)
     return feature_dim(_depth(model_config.trunk), model_config.width_multiplier)
 
 
@@ -116,9 +128,12 @@ def min_input_size(model_config: ml_collections.ConfigDict) -> int:
     """The smallest image side the trunk can use. A ResNet downsamples by 32 (its 7x7 stride-2
     stem, max-pool and three strided stages; 8 with ``cifar_stem``): below that its last
     stage's feature map covers less than one pixel of the input, so every later stride-2 layer
-    reads padding. A ViT needs at least one patch."""
+    reads padding. A RegNet (3x3 stride-2 stem, four strided stages) also downsamples by 32.
+    A ViT needs at least one patch."""
     if is_vit(model_config):
         return int(model_config.get("patch_size", 16))
+    if is_regnet(model_config):
+        return 32
     _depth(model_config.trunk)  # an unknown trunk fails here, naming the valid ones
     return 8 if model_config.cifar_stem else 32
 
@@ -145,9 +160,11 @@ def check_input_size(
         return
     if size < smallest:
         stem = "model.cifar_stem=True" if model_config.cifar_stem else "the 7x7 stem"
+        if is_regnet(model_config):
+            stem = "its stride-2 stem"
         hint = (
             ""
-            if model_config.cifar_stem
+            if model_config.cifar_stem or is_regnet(model_config)
             else ", or --config.model.cifar_stem=True for small images (it downsamples by 8)"
         )
         raise ValueError(
@@ -162,13 +179,18 @@ def build_trunk(
     *,
     bn_axis_name: str | None = None,
     num_classes: int | None = None,
-) -> ResNet | VisionTransformer:
-    """The trunk described by ``model_config``: a ResNet (with an ``fc`` if ``num_classes``)
-    or a ViT (``num_classes`` is not supported: heads are separate modules)."""
-    if is_vit(model_config):
+) -> ResNet | VisionTransformer | RegNet:
+    """The trunk described by ``model_config``: a ResNet (with an ``fc`` if ``num_classes``),
+    a ViT or a RegNet (``num_classes`` is not supported for these: heads are separate modules)."""
+    if is_vit(model_config) or is_regnet(model_config):
         if num_classes is not None:
-            raise ValueError("A ViT trunk has no built-in classifier; use a separate head.")
+            raise ValueError(
+                f"A {model_config.trunk} trunk has no built-in classifier; use a separate head."
+            )
+    if is_vit(model_config):
         return build_vit(model_config)
+    if is_regnet(model_config):
+        return build_regnet(model_config, bn_axis_name=bn_axis_name)
     return ResNet(
         depth=_depth(model_config.trunk),
         width_multiplier=model_config.width_multiplier,
@@ -208,6 +230,30 @@ def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
         drop_path_rate=rate,
         pos_embed_init=str(model_config.get("pos_embed_init", "learned")),
         dtype=_dtype(model_config.dtype),
+        remat=_remat(model_config),
+    )
+
+
+def build_regnet(
+    model_config: ml_collections.ConfigDict, *, bn_axis_name: str | None = None
+) -> RegNet:
+    """The RegNetY of ``model_config.trunk`` (``jssl.models.regnet.SIZES``)."""
+    trunk = model_config.trunk
+    if float(model_config.width_multiplier) != 1.0:
+        raise ValueError(
+            f"model.width_multiplier={model_config.width_multiplier}: {trunk} sets its widths "
+            "from its RegNet design; use --config.model.width_multiplier=1.0 (or a larger size)."
+        )
+    if model_config.cifar_stem:
+        raise ValueError(
+            f"model.cifar_stem=True is for ResNets; {trunk} has a 3x3 stride-2 stem. Set "
+            "--config.model.cifar_stem=False."
+        )
+    return RegNet(
+        **REGNET_SIZES[trunk]._asdict(),
+        zero_init_residual=model_config.zero_init_residual,
+        dtype=_dtype(model_config.dtype),
+        bn_axis_name=bn_axis_name,
         remat=_remat(model_config),
     )
 
