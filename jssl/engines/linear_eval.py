@@ -39,7 +39,7 @@ from clu import periodic_actions
 from jssl import data, engines, models, optim, parallel
 from jssl.checkpoints import manager as checkpoint
 from jssl.evaluation import linear, pooling
-from jssl.evaluation.batches import EvalBatch, eval_batches, from_host_batches
+from jssl.evaluation.batches import eval_batches, from_host_batches
 from jssl.evaluation.feature_store import load_features
 from jssl.evaluation.frozen import load_frozen_model
 from jssl.evaluation.results import make_writer, write_results
@@ -223,10 +223,7 @@ def _save_in_epoch(manager, *, state, progress: Progress) -> None:
 def _test(config, eval_step, trunk, inputs: _Inputs, state) -> dict[str, dict[str, float]]:
     """Top-1 and top-5 (in %) of every head on the test split."""
     totals = None
-    for test_batch in inputs.test_batches():
-        batch = test_batch.batch
-        inputs_key = "image" if "image" in batch else "inputs"
-        batch = {"inputs": batch[inputs_key], "label": batch["label"], "mask": batch["mask"]}
+    for batch in inputs.test_batches():
         out = eval_step(state, trunk, batch)
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     if totals is None:
@@ -248,7 +245,8 @@ class _Inputs:
     shapes: dict[str, tuple[int, ...]]  # per-example feature shape of each layer
     steps_per_epoch: int
     train_batches: Callable[[int, int], Iterator[dict]]  # (epoch, start_step) -> batches
-    test_batches: Callable[[], Iterator[EvalBatch]]  # every test example once, padded
+    # every test example once, padded: global {"inputs", "label", "mask"} (evaluation.batches)
+    test_batches: Callable[[], Iterator[dict]]
 
 
 def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
@@ -279,8 +277,10 @@ def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
         for batch in ds.as_numpy_iterator():
             yield {"inputs": batch["crops"][0][:, 0], "label": batch["label"]}
 
-    def test_batches() -> Iterator[EvalBatch]:
-        return eval_batches(config.data, config.data.test_split, config.data.batch_size, mesh)
+    def test_batches() -> Iterator[dict]:
+        split, size = config.data.test_split, config.data.batch_size
+        for b in eval_batches(config.data, split, size, mesh):
+            yield {"inputs": b.batch["image"], "label": b.batch["label"], "mask": b.batch["mask"]}
 
     return _Inputs(
         features_fn=features_fn,
@@ -321,7 +321,7 @@ def _cached_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
             process_count=process_count,
         )
 
-    def test_batches() -> Iterator[EvalBatch]:
+    def test_batches() -> Iterator[dict]:
         host_batches = linear.cached_eval_batches(
             test_set.features,
             test_set.labels,
@@ -329,7 +329,8 @@ def _cached_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
             process_index=process_index,
             process_count=process_count,
         )
-        return from_host_batches(host_batches, mesh)
+        for b in from_host_batches(host_batches, mesh):
+            yield {name: b.batch[name] for name in ("inputs", "label", "mask")}
 
     return _Inputs(
         features_fn=lambda trunk_variables, feats: feats,
