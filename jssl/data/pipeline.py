@@ -23,6 +23,7 @@ streamed TFRecord TFDS raises the decoder's error.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -101,24 +102,48 @@ def _checked_images(
 
 
 def _crops_fn(data_config, seed: int, epoch: int):
-    groups = crops.crop_groups(data_config)
-
-    augment = data_config.augment
-    on_device = augment.get("on_device", False)
+    views = _views_fn(data_config)
 
     def make_crops(example):
         example_seed = transforms.example_seed(seed, epoch, example["index"])
         row = {"label": example["label"], "index": example["index"]}
-        if on_device:  # crop + flip in uint8; colour, blur, ... in the step (device_augment)
-            row["crops"], row["aug_seeds"] = crops.host_crops(
-                example["image"], example_seed, groups, augment
-            )
-        else:
-            image = tf.image.convert_image_dtype(example["image"], tf.float32)
-            row["crops"] = crops.make_crops(image, example_seed, groups, augment)
+        row.update(views(example["image"], example_seed))
         return {**row, "replaced": example["replaced"]}
 
     return make_crops
+
+
+# Traced view functions by crop groups and augmentation settings. Dataset.map traces its
+# function again for every epoch's dataset; a tf.function called inside it is traced once per
+# process (SwAV's multi-crop views take seconds to trace) and the epochs call that graph.
+_VIEWS: dict[str, Any] = {}
+
+
+def _views_fn(data_config):
+    """``(uint8 image, example seed) -> {"crops"[, "aug_seeds"]}``, one traced graph per
+    process for each crop-group and augmentation setting."""
+    groups = crops.crop_groups(data_config)
+    augment = data_config.augment
+    on_device = augment.get("on_device", False)
+    key = repr((groups, sorted(augment.to_dict().items(), key=lambda kv: kv[0])))
+    if key not in _VIEWS:
+
+        def views(image, example_seed):
+            if on_device:  # crop + flip in uint8; colour, blur, ... in the step (device_augment)
+                crops_, seeds = crops.host_crops(image, example_seed, groups, augment)
+                return {"crops": crops_, "aug_seeds": seeds}
+            image = tf.image.convert_image_dtype(image, tf.float32)
+            return {"crops": crops.make_crops(image, example_seed, groups, augment)}
+
+        _VIEWS[key] = tf.function(
+            views,
+            input_signature=(
+                tf.TensorSpec([None, None, 3], tf.uint8),
+                tf.TensorSpec([2], tf.int64),
+            ),
+            autograph=False,
+        )
+    return _VIEWS[key]
 
 
 def _decode_record(record):

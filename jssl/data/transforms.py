@@ -140,9 +140,13 @@ def color_jitter(
         lambda x: adjust_hue(x, h),
     ]
     order = tf.argsort(tf.random.stateless_uniform([4], seed=order_seed))
-    for i in range(4):
-        # Bind the current image and op as defaults: each branch must see this step's input.
-        image = tf.switch_case(order[i], [lambda f=f, x=image: f(x) for f in branches])
+
+    def apply_next(i, image):
+        # Bind the image as a default: each branch must see this step's input.
+        return i + 1, tf.switch_case(order[i], [lambda f=f, x=image: f(x) for f in branches])
+
+    # A loop rather than four switch_cases: the four branches are traced once, not four times.
+    _, image = tf.while_loop(lambda i, _: i < 4, apply_next, (tf.constant(0), image))
     return image
 
 
