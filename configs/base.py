@@ -100,6 +100,12 @@ def get_base_config() -> ml_collections.ConfigDict:
     # (flags given on the command line win); False keeps this config's model fields.
     c.init.model_from_checkpoint = True
 
+    c.parallel = ml_collections.ConfigDict()
+    # True: parameters, teacher and optimizer state split over the devices (ZeRO-3 / FSDP:
+    # jssl.parallel.leaf_spec), gathered for the forward pass; the same training, less memory.
+    c.parallel.shard_params = False
+    c.parallel.shard_min_size = 2**14  # arrays with fewer elements stay replicated (biases, norms)
+
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # >0: also save every N steps (always at the end of an epoch)
     c.checkpoint.max_to_keep = 3  # newest checkpoints kept; 0 keeps all (negative is an error)

@@ -1,8 +1,12 @@
-"""Devices, mesh and the host-local <-> global array plumbing.
+"""Devices, mesh, the sharding rule of the train state, and the host-local <-> global array
+plumbing.
 
 jssl runs one jitted step over a 1-D mesh of every device of every process, the batch
 sharded on the ``data`` axis. Methods that need named collectives (MoCo's gathered keys,
 batch-norm statistics) run their per-replica code inside ``jax.shard_map`` over that axis.
+With ``parallel.shard_params`` the large arrays of the state are split over the same axis
+(ZeRO-3 / FSDP): ``leaf_spec`` is the rule, ``gather`` and ``mean_to_shards`` the step's
+collectives.
 """
 
 from __future__ import annotations
@@ -123,6 +127,64 @@ def data_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def leaf_spec(shape: tuple[int, ...], devices: int, min_size: int) -> P:
+    """The FSDP rule for one array: its largest dimension that ``devices`` divides is split
+    over the data axis (the last of equal ones: a kernel's output features); an array of fewer
+    than ``min_size`` elements (biases, norms, small kernels: splitting them saves little and
+    costs a collective each), or with no such dimension, is replicated."""
+    if devices == 1 or int(np.prod(shape, dtype=np.int64)) < min_size:
+        return P()
+    best = None
+    for dim, size in enumerate(shape):
+        if size % devices == 0 and (best is None or size >= shape[best]):
+            best = dim
+    if best is None:
+        return P()
+    return P(*[DATA_AXIS if dim == best else None for dim in range(len(shape))])
+
+
+def sharded_dim(spec: P) -> int | None:
+    """The dimension ``spec`` splits over the data axis; None when it is replicated."""
+    for dim, axis in enumerate(spec):
+        if axis == DATA_AXIS:
+            return dim
+    return None
+
+
+def gather(tree: Any, specs: Any) -> Any:
+    """Inside ``shard_map``: every leaf that ``specs`` splits over the data axis, whole."""
+
+    def whole(x, spec):
+        dim = sharded_dim(spec)
+        return x if dim is None else jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+
+    return jax.tree.map(whole, tree, specs)
+
+
+def mean_to_shards(tree: Any, specs: Any, replicas: int) -> Any:
+    """Inside ``shard_map``: per-device values (gradients) averaged over the data axis, each
+    leaf left as this device's part of its spec (a reduce-scatter) or whole (an all-reduce).
+
+    Over one device the mean is the value itself, but XLA would still emit the all-reduce and
+    give every gradient a second buffer; it is left out.
+    """
+
+    def mean(x, spec):
+        if replicas == 1:
+            return x
+        dim = sharded_dim(spec)
+        if dim is None:
+            return jax.lax.pmean(x, DATA_AXIS)
+        return jax.lax.psum_scatter(x, DATA_AXIS, scatter_dimension=dim, tiled=True) / replicas
+
+    return jax.tree.map(mean, tree, specs)
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    """``specs`` (a pytree of PartitionSpec) as NamedShardings on ``mesh``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
 def host_batch_to_global(batch: Mapping[str, Any], mesh: Mesh) -> Any:

@@ -68,7 +68,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def init_state(config: ml_collections.ConfigDict, method: methods.Method, tx, mesh):
-    """A fresh, replicated TrainState built inside jit (no host round trip of weights)."""
+    """A fresh TrainState built inside jit (no host round trip of weights), replicated or,
+    with ``parallel.shard_params``, laid out by ``train_state.partition_specs``."""
     size = config.data.image_size
     sample = jnp.zeros((1, size, size, 3), jnp.float32)
     rng = jax.random.PRNGKey(config.seed)
@@ -79,7 +80,8 @@ def init_state(config: ml_collections.ConfigDict, method: methods.Method, tx, me
         online_probe = probe.init(config, models.trunk_feature_dim(config.model))
         return train_state.create(**fields, tx=tx, rng=state_rng, probe=online_probe)
 
-    return jax.jit(create, out_shardings=parallel.replicated(mesh))()
+    specs = train_state.partition_specs(jax.eval_shape(create), mesh.size, config.parallel)
+    return jax.jit(create, out_shardings=parallel.named(mesh, specs))()
 
 
 def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, steps_per_epoch: int):
@@ -154,6 +156,7 @@ def run(
             probe_config=config if probe.enabled(config) else None,
             augment=device_augment.make_batch_augment(config.data),
             accumulation_steps=config.optim.accumulation_steps,
+            state_specs=train_state.specs_of(state),
         )
         eval_step = monitor.make_test_step(config, method, mesh)
         forward = make_forward(method, mesh)

@@ -2,8 +2,10 @@
 
 A method is a module ``jssl.methods.<name>`` exposing ``make(config, steps_per_epoch) ->
 Method``, its loss terms (``TERMS``, or ``terms(config)``) and optionally ``check_config``.
-A :class:`Method` is pure functions that the one train step calls, per replica inside
-``jax.shard_map`` over the ``data`` axis (so they may use named collectives):
+A :class:`Method` is pure functions that the one train step calls. ``forward`` and
+``objective`` run per replica inside ``jax.shard_map`` over the ``data`` axis (so they may use
+named collectives) and see the state's parameters whole, even where ``parallel.shard_params``
+splits them; ``after_update`` runs after it on the global arrays, with no collectives:
 
 - ``forward(params, state, batch, rng, train) -> Forward``: every model application (online
   network, momentum encoder or teacher under stop-gradient, shuffle-BN, predictor).
@@ -11,7 +13,9 @@ A :class:`Method` is pure functions that the one train step calls, per replica i
   per example, from the forward's embeddings, the state (queue, centre, step) and the batch
   without its images (labels). It applies no model, so it runs on any embeddings of the
   forward's layout (made by hand, or gathered from micro-batches).
-- ``after_update(state, carry) -> state``: EMA teachers, queues, prototype normalisation.
+- ``after_update(state, carry) -> state``: EMA teachers, queues, prototype normalisation,
+  elementwise or on whole leaves (XLA partitions it like the state). The carry must be the same
+  on every device: keys gathered over the data axis, statistics averaged over it.
 
 The step weighs the terms once for every method (:func:`loss`: ``config.loss.weights`` and
 ramps, ``common.weighted_loss``) and differentiates ``weighted(objective(forward(params)))``.
@@ -77,7 +81,8 @@ class Forward(NamedTuple):
       step averages them over devices and stores them.
     head: the head's output for crop 0, ``(n, d)``: the test phase's ``embeddings``; None where
       it is too wide to write (DINO's 65536 logits).
-    carry: a dict for ``after_update`` (the teacher's batch-norm statistics), or None.
+    carry: a dict for ``after_update`` (the teacher's batch-norm statistics, averaged over the
+      data axis), or None; the same on every device.
     """
 
     embeddings: Any
@@ -93,7 +98,8 @@ class Objective(NamedTuple):
     terms: the unweighted loss terms, ``{name: (n,)}`` per local example (a batch-level term
       broadcast to every row), named as ``loss_terms(config)``.
     metrics: batch-mean scalars to log (averaged over devices by the step).
-    carry: a dict for ``after_update`` (keys to enqueue, the batch's centre), or None.
+    carry: a dict for ``after_update`` (keys to enqueue, the batch's centre), or None; the
+      same on every device (gathered or averaged over the data axis).
     per_example_metrics: ``{name: (n,)}`` (a classifier's top-1 hits, in %): the test phase
       reports their mean over the real rows of the split, exactly, in place of the batch mean
       of the same name in ``metrics`` (which the train logs keep).

@@ -86,7 +86,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             features=out["avgpool"][:n],
             batch_stats={**online_stats, PREDICTOR: predictor_stats},
             head=out["head"][:n],
-            carry={"ema_batch_stats": ema_batch_stats},
+            carry={"ema_batch_stats": common.mean_over_devices(ema_batch_stats)},
         )
 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
@@ -104,7 +104,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         return state.replace(
             ema_params=target,
-            ema_batch_stats=common.mean_over_devices(carry["ema_batch_stats"]),
+            ema_batch_stats=carry["ema_batch_stats"],
         )
 
     return Method(

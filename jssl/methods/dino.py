@@ -180,7 +180,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             features=out["avgpool"][: student.shape[1]],
             batch_stats=batch_stats,
             # No per-example head output: it is out_dim (65536) wide.
-            carry={"ema_batch_stats": ema_batch_stats},
+            carry={"ema_batch_stats": common.mean_over_devices(ema_batch_stats)},
         )
 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
@@ -214,7 +214,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         return state.replace(
             ema_params=common.ema(state.params, state.ema_params, momentum),
-            ema_batch_stats=common.mean_over_devices(carry["ema_batch_stats"]),
+            ema_batch_stats=carry["ema_batch_stats"],
             method_state={"center": center},
         )
 

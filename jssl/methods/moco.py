@@ -9,7 +9,7 @@ MoCo's update at the start of step t+1 (both are m * key + (1 - m) * query_after
 
 Deliberate differences from VISSL:
 - The initial queue is random unit vectors as in VISSL, drawn from jax.random.
-- Per-device batch-norm running statistics (sync_bn=False) are averaged over devices after
+- Per-device batch-norm running statistics (sync_bn=False) are averaged over devices at
   each step (jssl.methods.common.mean_over_devices), so the replicated state stays
   consistent; PyTorch DDP instead broadcasts rank 0's buffers. Training-mode normalisation
   still uses per-device batches.
@@ -73,7 +73,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             features=out["avgpool"],
             batch_stats=batch_stats,
             head=out["head"],
-            carry={"ema_batch_stats": ema_batch_stats},
+            carry={"ema_batch_stats": common.mean_over_devices(ema_batch_stats)},
         )
 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
@@ -96,7 +96,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         ptr = (ptr + keys.shape[0]) % queue.shape[0]
         return state.replace(
             ema_params=common.ema(state.params, state.ema_params, mcfg.momentum),
-            ema_batch_stats=common.mean_over_devices(carry["ema_batch_stats"]),
+            ema_batch_stats=carry["ema_batch_stats"],
             method_state={"queue": queue, "queue_ptr": ptr},
         )
 

@@ -106,7 +106,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             features=first["avgpool"],
             batch_stats={**online_stats, **predictor_stats},
             head=first["head"],
-            carry={"ema_batch_stats": ema_stats},
+            carry={"ema_batch_stats": common.mean_over_devices(ema_stats)},
         )
 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
@@ -124,7 +124,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         return state.replace(
             ema_params=momentum_encoder,
-            ema_batch_stats=common.mean_over_devices(carry["ema_batch_stats"]),
+            ema_batch_stats=carry["ema_batch_stats"],
         )
 
     frozen = ((PATCH_EMBED, WHOLE_RUN),) if mcfg.freeze_patch_embed else ()

@@ -12,6 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jssl import parallel
 
 PyTree = Any
 
@@ -55,4 +59,33 @@ def create(
         rng=rng,
         nonfinite_step=jnp.full((), -1, jnp.int32),
         probe={} if probe is None else probe,
+    )
+
+
+# The fields split over the devices by parallel.shard_params: the ones as large as the model.
+SHARDED_FIELDS = ("params", "ema_params", "opt_state")
+
+
+def partition_specs(state: TrainState, devices: int, parallel_config: Any) -> TrainState:
+    """A PartitionSpec per leaf of ``state`` (arrays or shapes): with
+    ``parallel_config.shard_params``, the FSDP rule (``parallel.leaf_spec``) for the
+    parameters, the teacher and the optimizer state, whose leaves follow the parameters'
+    shapes; everything else replicated."""
+    specs = jax.tree.map(lambda _: P(), state)
+    if not parallel_config.shard_params:
+        return specs
+    min_size = parallel_config.shard_min_size
+
+    def rule(x):
+        return parallel.leaf_spec(tuple(x.shape), devices, min_size)
+
+    split = {field: jax.tree.map(rule, getattr(state, field)) for field in SHARDED_FIELDS}
+    return specs.replace(**split)
+
+
+def specs_of(state: TrainState) -> TrainState:
+    """The PartitionSpec each leaf of ``state`` is laid out with (replicated where its
+    sharding is not a NamedSharding)."""
+    return jax.tree.map(
+        lambda x: x.sharding.spec if isinstance(x.sharding, NamedSharding) else P(), state
     )

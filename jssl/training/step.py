@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jssl import methods
+from jssl import methods, parallel
 from jssl.methods import Method
 from jssl.methods.common import mean_over_devices
 from jssl.parallel import DATA_AXIS
@@ -38,6 +38,7 @@ def make_train_step(
     probe_config: Any = None,
     augment: Callable[[Any], Any] | None = None,
     accumulation_steps: int = 1,
+    state_specs: TrainState | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted, state-donating train step over ``mesh``.
 
@@ -54,17 +55,25 @@ def make_train_step(
 
     ``accumulation_steps`` > 1 computes the loss and gradient over that many micro-batches of
     each replica's examples, exactly as over the whole batch (jssl.training.accumulation).
-    """
 
+    ``state_specs`` (``jssl.training.state.specs_of`` the state; None: all replicated) is how
+    the state is laid out. Leaves split over the data axis (``parallel.shard_params``) are
+    gathered whole for the forward pass and their gradients reduce-scattered back to each
+    device's part; the optimizer and ``after_update`` then run on the global arrays outside
+    the per-replica code, where XLA partitions them like the state (a LARS trust ratio's norm
+    is over the whole leaf).
+    """
     replicas = mesh.shape[DATA_AXIS]
 
     def replica_mean(tree):
-        # Over one device the mean is the value itself, but XLA still emits the all-reduce
-        # and gives every gradient a second buffer (13% more temporary memory in Barlow
-        # Twins' step, with its 8192x8192 projector).
         return tree if replicas == 1 else jax.lax.pmean(tree, DATA_AXIS)
 
     def per_replica(state: TrainState, batch: Any, stop: jax.Array):
+        # The state's split leaves whole, as every method's forward expects them.
+        state = state.replace(
+            params=parallel.gather(state.params, specs.params),
+            ema_params=parallel.gather(state.ema_params, specs.ema_params),
+        )
         if augment is not None:
             batch = augment(batch)
         # Same key on every replica: methods that need agreement (shuffle-BN's permutation)
@@ -79,9 +88,8 @@ def make_train_step(
             grad_fn = jax.value_and_grad(functools.partial(methods.loss, method), has_aux=True)
             (loss, out), grads = grad_fn(state.params, state, batch, rng)
         # Equal local batches, so the mean of per-replica means is the global mean.
-        grads = replica_mean(grads)
-        loss = replica_mean(loss)
-        metrics = replica_mean(out.metrics)
+        grads = parallel.mean_to_shards(grads, specs.params, replicas)
+        loss, metrics = replica_mean((loss, out.metrics))
 
         batch_stats = None
         if out.batch_stats is not None:
@@ -96,7 +104,16 @@ def make_train_step(
             )
             metrics = dict(metrics, **probe_metrics)
             checked = (*checked, probe_metrics["probe/loss"])
+        # Every replica gets the same flag: it comes from means over the data axis (and a
+        # split gradient's part is checked on every device: one non-finite part flags all).
         finite = all_finite(checked)
+        if replicas > 1:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), DATA_AXIS) > 0
+        metrics["stop"] = jax.lax.pmax(jnp.max(stop), DATA_AXIS)
+        return grads, (loss, metrics, batch_stats, out.carry, new_probe, finite)
+
+    def step(state: TrainState, batch: Any, stop: jax.Array):
+        grads, (loss, metrics, batch_stats, carry, new_probe, finite) = sharded(state, batch, stop)
 
         def updated(state):
             param_updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -108,7 +125,7 @@ def make_train_step(
             if batch_stats is not None:
                 new_state = new_state.replace(batch_stats=batch_stats)
             if method.after_update is not None:
-                new_state = method.after_update(new_state, out.carry)
+                new_state = method.after_update(new_state, carry)
             if new_probe is not None:
                 new_state = new_state.replace(probe=new_probe)
             return new_state
@@ -119,31 +136,44 @@ def make_train_step(
 
         # A non-finite loss or gradient (the method's or the online probe's) keeps the
         # previous state and records the step, so the host can stop with a precise message
-        # and the last checkpoint stays valid.
-        # One cond rather than a select per leaf of the state: the selects (and the flag each
-        # recomputed) were a fifth of the step's HLO instructions; the step is no slower.
-        # Every replica takes the same branch: ``finite`` comes from pmeans.
+        # and the last checkpoint stays valid. One cond rather than a select per leaf of the
+        # state: the selects (and the flag each recomputed) were a fifth of the step's HLO.
         new_state = jax.lax.cond(finite, updated, kept, state)
-
         metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))
-        metrics["stop"] = jax.lax.pmax(jnp.max(stop), DATA_AXIS)
         return new_state, metrics
 
-    sharded = jax.shard_map(
-        per_replica,
-        mesh=mesh,
-        in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)),
-        out_specs=(P(), P()),
-        # Replicated values are kept consistent by the explicit pmeans above (pmap style).
-        check_vma=False,
-    )
-    step = jax.jit(sharded, donate_argnums=0)
+    def build(state_specs):
+        nonlocal specs, sharded
+        specs = state_specs
+        sharded = jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)),
+            out_specs=(specs.params, P()),
+            # Replicated values are kept consistent by the explicit means above (pmap style).
+            check_vma=False,
+        )
+        shardings = parallel.named(mesh, specs)
+        return jax.jit(step, donate_argnums=0, out_shardings=(shardings, parallel.replicated(mesh)))
+
+    specs = sharded = None
+    jitted = None if state_specs is None else build(state_specs)
     no_stop = stop_flags(mesh, False)
 
     def train_step(state: TrainState, batch: Any, stop: jax.Array | None = None):
-        return step(state, batch, no_stop if stop is None else stop)
+        nonlocal jitted
+        if jitted is None:  # all replicated: the specs follow from the first state's tree
+            jitted = build(jax.tree.map(lambda _: P(), state))
+        return jitted(state, batch, no_stop if stop is None else stop)
 
-    train_step.lower = step.lower  # (state, batch, stop): ahead-of-time compilation
+    def lower(state: TrainState, batch: Any, stop: jax.Array):
+        """Ahead-of-time lowering of ``step(state, batch, stop)`` (shapes or arrays)."""
+        nonlocal jitted
+        if jitted is None:
+            jitted = build(jax.tree.map(lambda _: P(), state))
+        return jitted.lower(state, batch, stop)
+
+    train_step.lower = lower
     return train_step
 
 
@@ -231,7 +261,9 @@ def make_eval_step(
         out_specs=(P(), P(DATA_AXIS)),
         check_vma=False,
     )
-    return jax.jit(sharded)
+    # Without the optimizer state, which is not read: a state split over the devices
+    # (parallel.shard_params) is gathered whole for the shard_map, the rest of it only.
+    return jax.jit(lambda state, batch: sharded(state.replace(opt_state={}), batch))
 
 
 def _as_crops(image: jax.Array, crop_groups: Sequence[tuple[int, int]]) -> tuple:

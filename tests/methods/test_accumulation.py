@@ -134,9 +134,13 @@ def test_batch_norm_statistics_are_the_micro_batches_mean():
     batch = batch if augment is None else jax.jit(augment)(batch)
     rng = jax.random.fold_in(state.rng, state.step)
 
-    @jax.jit
-    def running_stats(micro):
+    def forward_stats(micro):  # per replica: the forward averages the teacher's over devices
         return method.forward(state.params, state, micro, rng, True).batch_stats
+
+    mesh = parallel.make_mesh()
+    running_stats = jax.jit(
+        jax.shard_map(forward_stats, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    )
 
     quarter = BATCH // STEPS
     parts = [running_stats(_rows(batch, j * quarter, (j + 1) * quarter)) for j in range(STEPS)]

@@ -5,8 +5,8 @@ Used by tests/test_parallel.py in subprocesses with different device and process
 (the device count is fixed by XLA_FLAGS before JAX starts, hence a separate process). One
 process runs every method asked for, so the suite pays JAX's start-up once per device count.
 
-  python tests/step_parity.py OUT.npz --methods moco,simclr [--process_id I --num_processes N
-      --port P]
+  python tests/support/step_parity.py OUT.npz --methods moco,simclr [--shard_params 1]
+      [--process_id I --num_processes N --port P]
 
 OUT.npz holds ``devices`` and, per method m, ``m:loss`` (one per step), ``m:params``,
 ``m:ema`` (the momentum encoder / teacher, when the method has one) and ``m:state``
@@ -29,8 +29,11 @@ STEPS = {"swav": 4, "byol": 3, "simsiam": 3, "dino": 3, "mocov3": 3, "dino_vit":
 
 def configure(method: str):
     """The method's "test" preset, made a non-chaotic recipe for an invariance test."""
-    # dino_vit: DINO's "test_vit" preset, a 2-block ViT with the student's drop path 0.1.
-    module, preset = {"dino_vit": ("dino", "test_vit")}.get(method, (method, "test"))
+    # dino_vit: DINO's "test_vit" preset, a 2-block ViT with the student's drop path 0.1;
+    # moco_larc: MoCo with VISSL's LARC, whose trust ratios are norms of whole parameters.
+    module, preset = {"dino_vit": ("dino", "test_vit"), "moco_larc": ("moco", "test")}.get(
+        method, (method, "test")
+    )
     config = importlib.import_module(f"configs.{module}").get_config(preset)
     # No BN in the projector, T 0.1 and plain SGD (MoCo v2's own head, not the demo's BN
     # projector): an output BN makes the trunk's gradient a sum of nearly cancelling
@@ -40,11 +43,11 @@ def configure(method: str):
     config.model.head_last_bn = False
     if "temperature" in config.method:
         config.method.temperature = 0.1
-    config.optim.name = "sgd"
+    config.optim.name = "larc" if method == "moco_larc" else "sgd"
     config.optim.base_lr = 0.06
     config.optim.warmup_epochs = 0
     config.data.batch_size = GLOBAL_BATCH
-    if method == "moco":
+    if module == "moco":
         config.method.queue_size = 32  # two batches: the second step sees enqueued keys
     if method == "swav":
         # Multi-crop (2x16 px + 4x8 px); prototypes frozen for 2 steps; the queue (two
@@ -62,7 +65,12 @@ def main() -> None:
     p.add_argument("--num_processes", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--sync_bn", type=int, default=1)
+    p.add_argument("--shard_params", type=int, default=0, help="1: parallel.shard_params")
+    p.add_argument("--shard_min_size", type=int, default=256, help="parallel.shard_min_size")
     p.add_argument("--steps", type=int, default=0, help="0: each method's own (STEPS, else 2)")
+    p.add_argument("--save", default="", help="a workdir: checkpoint the state after --save_after")
+    p.add_argument("--save_after", type=int, default=2)
+    p.add_argument("--resume", default="", help="a workdir: start from its newest checkpoint")
     args = p.parse_args()
 
     from jssl import parallel
@@ -74,7 +82,9 @@ def main() -> None:
     from jax.flatten_util import ravel_pytree
 
     from jssl import data, methods
+    from jssl.checkpoints import manager as checkpoint
     from jssl.engines.train import init_state, make_optimizer
+    from jssl.training.state import specs_of
     from jssl.training.step import make_train_step
 
     mesh = parallel.make_mesh()
@@ -86,12 +96,24 @@ def main() -> None:
     for name in args.methods.split(","):
         config = configure(name)
         config.model.sync_bn = bool(args.sync_bn)
+        config.parallel.shard_params = bool(args.shard_params)
+        config.parallel.shard_min_size = args.shard_min_size  # 256: the tiny kernels split too
         method = methods.get(config, steps_per_epoch=4)
         tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
         state = init_state(config, method, tx, mesh)
-        step = make_train_step(method, tx, schedule, mesh)
+        manager = None
+        if args.save or args.resume:  # one method: its state in the workdir's checkpoints
+            manager, state, _, _ = checkpoint.resume(
+                args.save or args.resume, config.checkpoint, state
+            )
+        step = make_train_step(method, tx, schedule, mesh, state_specs=specs_of(state))
         losses = []
-        for i in range(args.steps or STEPS.get(name, 2)):
+        for i in range(int(state.step), args.steps or STEPS.get(name, 2)):
+            if args.save and i == args.save_after:
+                checkpoint.save(manager, state, checkpoint.DataPosition())
+                checkpoint.finish(manager)
+                host = parallel.global_to_host(state.params)
+                saved[f"{name}:saved_params"] = ravel_pytree(host)[0]
             full = data.synthetic_batch(config.data, GLOBAL_BATCH, seed=i)
             # Every class, in a different order each step (for the supervised method).
             full["label"] = (np.arange(GLOBAL_BATCH, dtype=np.int32) * (i + 1)) % 10

@@ -1,5 +1,7 @@
-"""The same global batch gives the same loss and parameters on 1 device, 4 devices, and 2
-processes x 2 devices (gloo CPU collectives), with cross-replica batch norm."""
+"""The same global batch gives the same loss and parameters on 1 device, on 4 devices with the
+state split over them (parallel.shard_params), and on 2 processes x 2 devices (gloo CPU
+collectives), with cross-replica batch norm; a split state's checkpoint saved on 8 devices
+continues on 4 and on 1 as it does on 8."""
 
 import os
 import socket
@@ -8,6 +10,11 @@ import sys
 
 import numpy as np
 import pytest
+from jax.flatten_util import ravel_pytree
+from support.step_parity import configure
+
+from jssl import methods
+from jssl.checkpoints import weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "support", "step_parity.py")
@@ -59,17 +66,26 @@ PARITY = {
     "dino": "the centre, a mean over the global batch, and the teacher's SyncBN statistics",
     "dino_vit": "the student's drop-path masks, drawn per row of the global batch (each "
     "device's own key gave other masks on 4 devices than on 1)",
+    "moco_larc": "LARC's trust ratios, norms of whole parameters that the split state holds "
+    "in parts",
 }
+# The 4-device runs split the state (parallel.shard_params, every kernel of the tiny models):
+# parameters gathered for the forward pass, gradients reduce-scattered, the optimizer and
+# after_update (EMA, queues, SwAV's prototype normalisation) on the split arrays. The
+# replicated layout on several devices is the 2-process run's (and every other multi-device
+# test's).
+SHARDED = ("--shard_params", "1")
 
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
-    """Every PARITY method on 1 and on 4 devices, the two processes side by side (XLA compiles
-    on one core each, so together they take about the time of one)."""
+    """Every PARITY method on 1 and on 4 devices (the state split), the two processes side by
+    side (XLA compiles on one core each, so together they take about the time of one)."""
     outs = {n: tmp_path_factory.mktemp(f"devices{n}") / "r.npz" for n in (1, 4)}
     procs = {
         n: subprocess.Popen(
-            [sys.executable, SCRIPT, str(out), "--methods", ",".join(PARITY)],
+            [sys.executable, SCRIPT, str(out), "--methods", ",".join(PARITY)]
+            + list(SHARDED if n > 1 else ()),
             env=_env(n),
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -158,3 +174,67 @@ def test_per_device_bn_with_shuffle_runs_on_four_devices(tmp_path):
     """sync_bn=False uses per-device statistics and MoCo's shuffle-BN across devices."""
     result = _run(tmp_path / "r.npz", 4, "--sync_bn", "0", "--methods", "moco")
     assert np.all(np.isfinite(result["moco:loss"]))
+
+
+def _steps(out, devices, workdir, *extra) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, str(out), "--methods", "moco", "--steps", "4", *SHARDED]
+        + list(extra),
+        env=_env(devices),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _finish(procs, timeout: int = 300) -> None:
+    logs = [p.communicate(timeout=timeout)[0].decode() for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-5000:]
+
+
+def test_split_checkpoint_continues_on_fewer_devices(tmp_path):
+    """Saved after step 2 of 4 on 8 devices with the state split 8 ways, restored onto 4
+    devices and onto 1 (orbax reads the parts into the new layout) and continued: the same
+    losses, parameters, teacher and queue as the 8-device run's own steps 3 and 4."""
+    workdir = tmp_path / "run"
+    _finish([_steps(tmp_path / "8.npz", 8, workdir, "--save", str(workdir))])
+    _finish([_steps(tmp_path / f"{n}.npz", n, workdir, "--resume", str(workdir)) for n in (4, 1)])
+    eight = dict(np.load(tmp_path / "8.npz"))
+    for n in (4, 1):
+        resumed = dict(np.load(tmp_path / f"{n}.npz"))
+        np.testing.assert_allclose(resumed["moco:loss"], eight["moco:loss"][2:], rtol=1e-5)
+        for key in ("params", "ema"):
+            assert _relative_error(eight[f"moco:{key}"], resumed[f"moco:{key}"]) < 1e-6, (n, key)
+        np.testing.assert_allclose(resumed["moco:state"], eight["moco:state"], atol=1e-5)
+    # The evaluation engines' reader takes the split checkpoint's online model whole.
+    loaded = weights.load_variables(str(workdir), configure("moco"))
+    np.testing.assert_array_equal(ravel_pytree(loaded["params"])[0], eight["moco:saved_params"])
+
+
+@pytest.mark.slow
+def test_split_state_matches_the_replicated_one_for_every_method(tmp_path):
+    """Every method (and the ViT and LARC rows of PARITY) on 8 devices, the state split and
+    replicated: the same losses and parameters up to float rounding (the same arithmetic,
+    gathered and reduce-scattered instead of all-reduced)."""
+    names = ",".join([*methods.METHODS, "dino_vit", "moco_larc"])
+    out = {mode: tmp_path / f"{mode}.npz" for mode in ("replicated", "split")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, str(out[mode]), "--methods", names]
+            + list(SHARDED if mode == "split" else ()),
+            env=_env(8),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for mode in out
+    ]
+    _finish(procs, timeout=1800)
+    replicated, split = (dict(np.load(path)) for path in out.values())
+    for name in names.split(","):
+        np.testing.assert_allclose(split[f"{name}:loss"], replicated[f"{name}:loss"], rtol=1e-5)
+        for key in ("params", "ema", "state"):
+            if f"{name}:{key}" in replicated:
+                error = _relative_error(replicated[f"{name}:{key}"], split[f"{name}:{key}"])
+                assert error < 1e-5, (name, key, error)
