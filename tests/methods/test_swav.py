@@ -177,7 +177,8 @@ def _terms_config(num_prototypes=(8,)):
     return config
 
 
-@pytest.mark.parametrize("num_prototypes", [(8,), (8, 6)])
+# Two prototype heads (8, 6) in the slow tier: the crop terms' sum is per head.
+@pytest.mark.parametrize("num_prototypes", [(8,), pytest.param((8, 6), marks=pytest.mark.slow)])
 def test_crop_terms_sum_to_the_single_loss_of_before(num_prototypes):
     config = _terms_config(num_prototypes)
     assert [t.name for t in methods.loss_terms(config)] == [

@@ -166,8 +166,8 @@ def test_cpu_max_pool_propagates_nan_and_minus_infinity():
 
 
 @pytest.mark.parametrize("train", [True, False])
-def test_resnet50_trains_its_stem_max_pool_through_cpu_max_pool(train):
-    model = ResNet(depth=50, width_multiplier=0.125)
+def test_resnet_trains_its_stem_max_pool_through_cpu_max_pool(train):
+    model = ResNet(depth=18, width_multiplier=0.125)  # the stem of every depth
     x = _normal(0, (2, 32, 32, 3))
     variables = _init(model, x)
 

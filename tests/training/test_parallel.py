@@ -138,6 +138,9 @@ def test_four_devices_match_one(one_device, four_devices, method):
     _assert_same(one_device, four_devices, method)
 
 
+# Slow tier: two processes are checked in CI by tests/training/test_multihost_train.py (a whole
+# run, preempted and resumed, against one process) and tests/evaluation/test_extract.py.
+@pytest.mark.slow
 def test_two_processes_match_one(one_device, tmp_path):
     port = _free_port()
     out = tmp_path / "r.npz"
