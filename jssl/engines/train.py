@@ -70,6 +70,22 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def init_state(config: ml_collections.ConfigDict, method: methods.Method, tx, mesh):
     """A fresh TrainState built inside jit (no host round trip of weights), replicated or,
     with ``parallel.shard_params``, laid out by ``train_state.partition_specs``."""
+    create, shardings = _state_creator(config, method, tx, mesh)
+    return jax.jit(create, out_shardings=shardings)()
+
+
+def abstract_state(config: ml_collections.ConfigDict, method: methods.Method, tx, mesh):
+    """``init_state``'s shapes, dtypes and shardings, without making an array (for
+    ahead-of-time compilation and memory analysis of models larger than the host)."""
+    create, shardings = _state_creator(config, method, tx, mesh)
+    return jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        jax.eval_shape(create),
+        shardings,
+    )
+
+
+def _state_creator(config: ml_collections.ConfigDict, method: methods.Method, tx, mesh):
     size = config.data.image_size
     sample = jnp.zeros((1, size, size, 3), jnp.float32)
     rng = jax.random.PRNGKey(config.seed)
@@ -81,7 +97,7 @@ def init_state(config: ml_collections.ConfigDict, method: methods.Method, tx, me
         return train_state.create(**fields, tx=tx, rng=state_rng, probe=online_probe)
 
     specs = train_state.partition_specs(jax.eval_shape(create), mesh.size, config.parallel)
-    return jax.jit(create, out_shardings=parallel.named(mesh, specs))()
+    return create, parallel.named(mesh, specs)
 
 
 def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, steps_per_epoch: int):

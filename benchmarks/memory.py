@@ -1,0 +1,153 @@
+"""Memory per device of a train step, from XLA's compiled memory analysis (compiled, never run).
+
+The rows are the ways jssl fits a large model and batch on few devices, for one method, trunk
+and global batch (default: DINO's ViT-L/16 at its recipe batch of 1024, 2 x 224 px + 10 x 96 px
+crops, on 8 devices): the state replicated; split over the devices (``parallel.shard_params``);
+split with every trunk block recomputed in the backward pass (``model.remat=full``); and that
+with the batch in 4 micro-batches (``optim.accumulation_steps=4``). For each, the bytes per
+device of the step's arguments (the train state's part on the device, and the batch's) and of
+its temporaries (activations, gradients, collectives' buffers), and the ratios the issue's
+targets name: the split state against a replicated state / N plus the leaves left replicated,
+remat's and accumulation's temporaries against the row before.
+
+  python benchmarks/memory.py [--devices 8] [--method dino] [--preset vit_small]
+      [--trunk vit_large] [--batch 1024] [--no_results]
+
+The devices are the host CPU's, N of them made by XLA_FLAGS before JAX starts, so the analysis
+is XLA's CPU compiler's (a GPU's buffer assignment differs in detail, not in what scales with
+what). Nothing is allocated: the state is abstract (``jssl.engines.train.abstract_state``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import results  # noqa: E402
+
+ROWS = (
+    ("replicated", {}),
+    ("split", {"parallel.shard_params": True}),
+    ("split + remat", {"parallel.shard_params": True, "model.remat": "full"}),
+    (
+        "split + remat + accumulation 4",
+        {"parallel.shard_params": True, "model.remat": "full", "optim.accumulation_steps": 4},
+    ),
+)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--method", default="dino", help="configs/<method>.py")
+    p.add_argument("--preset", default="vit_small", help="the recipe the trunk is put into")
+    p.add_argument("--trunk", default="vit_large", help="model.trunk")
+    p.add_argument("--patch_size", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1024, help="global batch")
+    results.add_flags(p)
+    args = p.parse_args()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import importlib
+
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jssl import data, methods, parallel
+    from jssl.data import device_augment
+    from jssl.engines import train
+    from jssl.training.state import specs_of
+    from jssl.training.step import make_train_step, stop_flags
+
+    mesh = parallel.make_mesh()
+    rows, state_bytes = [], {}
+    for name, overrides in ROWS:
+        config = importlib.import_module(f"configs.{args.method}").get_config(args.preset)
+        config.model.trunk = args.trunk
+        config.model.patch_size = args.patch_size
+        config.data.batch_size = args.batch
+        config.probe.num_classes = 0
+        config.update_from_flattened_dict(overrides)
+        method = methods.get(config, steps_per_epoch=1000)
+        tx, schedule = train.make_optimizer(config, method, steps_per_epoch=1000)
+        state = train.abstract_state(config, method, tx, mesh)
+        step = make_train_step(
+            method,
+            tx,
+            schedule,
+            mesh,
+            augment=device_augment.make_batch_augment(config.data),
+            accumulation_steps=config.optim.accumulation_steps,
+            state_specs=specs_of(state),
+        )
+        host = data.synthetic_batch(config.data, args.devices)  # the layout; shapes below
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                (args.batch, *x.shape[1:]), x.dtype, sharding=parallel.data_sharding(mesh)
+            ),
+            host,
+        )
+        compiled = step.lower(state, batch, stop_flags(mesh, False)).compile()
+        analysis = compiled.memory_analysis()
+
+        def per_device(x) -> int:
+            shape = x.sharding.shard_shape(x.shape)
+            return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+        leaves = jax.tree.leaves(state)
+        state_bytes[name] = sum(per_device(x) for x in leaves)
+        replicated_small = sum(
+            per_device(x)
+            for x in leaves
+            if isinstance(x.sharding, NamedSharding) and x.sharding.spec == P()
+        )
+        rows.append(
+            {
+                "layout": name,
+                "state GiB/device": state_bytes[name] / 2**30,
+                "replicated leaves GiB": replicated_small / 2**30,
+                "arguments GiB/device": analysis.argument_size_in_bytes / 2**30,
+                "temporaries GiB/device": analysis.temp_size_in_bytes / 2**30,
+            }
+        )
+        print(rows[-1], flush=True)
+
+    replicated, split = rows[0], rows[1]
+    target = replicated["state GiB/device"] / args.devices + split["replicated leaves GiB"]
+    headline = [
+        f"split state / (replicated / {args.devices} + replicated leaves): "
+        f"{split['state GiB/device'] / target:.3f} (target <= 1.15)",
+        "remat temporaries / split temporaries: "
+        f"{rows[2]['temporaries GiB/device'] / split['temporaries GiB/device']:.3f} "
+        "(target <= 0.5)",
+        "accumulation 4 temporaries / remat temporaries: "
+        f"{rows[3]['temporaries GiB/device'] / rows[2]['temporaries GiB/device']:.3f} "
+        "(target <= 0.35)",
+    ]
+    for line in headline:
+        print(line)
+    results.record(
+        "memory",
+        rows,
+        args=args,
+        measures=(
+            f"Bytes per device of the {args.method} train step ({args.trunk}/{args.patch_size}, "
+            f"{args.preset} recipe, global batch {args.batch}) on {args.devices} CPU devices, "
+            "from XLA's compiled memory analysis: the train state's part on each device, the "
+            "step's arguments (state and batch) and its temporaries."
+        ),
+        headline=headline,
+    )
+
+
+if __name__ == "__main__":
+    main()
