@@ -33,7 +33,7 @@ from absl import logging
 from clu import parameter_overview, periodic_actions
 from jax.experimental import multihost_utils
 
-from jssl import data, engines, methods, models, optim, parallel
+from jssl import data, engines, methods, optim, parallel
 from jssl.checkpoints import manager as checkpoint
 from jssl.checkpoints import warm_start
 from jssl.data import device_augment
@@ -42,6 +42,8 @@ from jssl.evaluation import monitor
 from jssl.training import accumulation, finite, preemption, probe, summaries
 from jssl.training import batches as batches_lib
 from jssl.training import state as train_state
+from jssl.training.fresh import abstract_state as abstract_state  # re-exported for callers
+from jssl.training.fresh import init_state
 from jssl.training.progress import Plan, Progress, Window
 from jssl.training.step import make_forward, make_train_step, stop_flags
 
@@ -65,39 +67,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     checkpoint.check_config(config.checkpoint)
     data.crop_groups(config.data)
     methods.check_config(config)
-
-
-def init_state(config: ml_collections.ConfigDict, method: methods.Method, tx, mesh):
-    """A fresh TrainState built inside jit (no host round trip of weights), replicated or,
-    with ``parallel.shard_params``, laid out by ``train_state.partition_specs``."""
-    create, shardings = _state_creator(config, method, tx, mesh)
-    return jax.jit(create, out_shardings=shardings)()
-
-
-def abstract_state(config: ml_collections.ConfigDict, method: methods.Method, tx, mesh):
-    """``init_state``'s shapes, dtypes and shardings, without making an array (for
-    ahead-of-time compilation and memory analysis of models larger than the host)."""
-    create, shardings = _state_creator(config, method, tx, mesh)
-    return jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        jax.eval_shape(create),
-        shardings,
-    )
-
-
-def _state_creator(config: ml_collections.ConfigDict, method: methods.Method, tx, mesh):
-    size = config.data.image_size
-    sample = jnp.zeros((1, size, size, 3), jnp.float32)
-    rng = jax.random.PRNGKey(config.seed)
-    init_rng, state_rng = jax.random.split(rng)
-
-    def create():
-        fields = method.init(init_rng, sample)
-        online_probe = probe.init(config, models.trunk_feature_dim(config.model))
-        return train_state.create(**fields, tx=tx, rng=state_rng, probe=online_probe)
-
-    specs = train_state.partition_specs(jax.eval_shape(create), mesh.size, config.parallel)
-    return create, parallel.named(mesh, specs)
 
 
 def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, steps_per_epoch: int):

@@ -66,6 +66,7 @@ def make_train_step(
     replicas = mesh.shape[DATA_AXIS]
 
     def replica_mean(tree):
+        # Over one device the mean is the value itself; XLA would still emit the all-reduce.
         return tree if replicas == 1 else jax.lax.pmean(tree, DATA_AXIS)
 
     def per_replica(state: TrainState, batch: Any, stop: jax.Array):
@@ -142,9 +143,12 @@ def make_train_step(
         metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))
         return new_state, metrics
 
-    def build(state_specs):
-        nonlocal specs, sharded
-        specs = state_specs
+    specs = sharded = jitted = None
+
+    def build(state: TrainState):
+        """The jitted step for the state's layout: ``state_specs``, else all replicated."""
+        nonlocal specs, sharded, jitted
+        specs = jax.tree.map(lambda _: P(), state) if state_specs is None else state_specs
         sharded = jax.shard_map(
             per_replica,
             mesh=mesh,
@@ -153,25 +157,18 @@ def make_train_step(
             # Replicated values are kept consistent by the explicit means above (pmap style).
             check_vma=False,
         )
-        shardings = parallel.named(mesh, specs)
-        return jax.jit(step, donate_argnums=0, out_shardings=(shardings, parallel.replicated(mesh)))
+        shardings = (parallel.named(mesh, specs), parallel.replicated(mesh))
+        jitted = jax.jit(step, donate_argnums=0, out_shardings=shardings)
+        return jitted
 
-    specs = sharded = None
-    jitted = None if state_specs is None else build(state_specs)
     no_stop = stop_flags(mesh, False)
 
     def train_step(state: TrainState, batch: Any, stop: jax.Array | None = None):
-        nonlocal jitted
-        if jitted is None:  # all replicated: the specs follow from the first state's tree
-            jitted = build(jax.tree.map(lambda _: P(), state))
-        return jitted(state, batch, no_stop if stop is None else stop)
+        return (jitted or build(state))(state, batch, no_stop if stop is None else stop)
 
     def lower(state: TrainState, batch: Any, stop: jax.Array):
         """Ahead-of-time lowering of ``step(state, batch, stop)`` (shapes or arrays)."""
-        nonlocal jitted
-        if jitted is None:
-            jitted = build(jax.tree.map(lambda _: P(), state))
-        return jitted.lower(state, batch, stop)
+        return (jitted or build(state)).lower(state, batch, stop)
 
     train_step.lower = lower
     return train_step
