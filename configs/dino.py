@@ -15,7 +15,8 @@ configs/config/pretrain/dino/dino_1node_resnet.yaml: AdamW, cosine weight decay 
 teacher temperature 0.04 -> 0.07, 300 epochs), "demo" (small ResNet-18 on the built-in demo
 data; prints the kNN accuracy of learned vs random features), "demo_vit" (DINO on a 4-block
 ViT-Tiny with 8 px patches on the same data, AdamW), "vit_small" (the paper's ViT-S/16
-recipe), "test" and "test_vit" (tiny).
+recipe), "vit_large" (ViT-L/16 with the repository's ViT-B/16 recipe, its state split over the
+devices and its blocks recomputed in the backward pass), "test" and "test_vit" (tiny).
 """
 
 import ml_collections
@@ -106,6 +107,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         _vissl_resnet(c)
     elif preset == "vit_small":
         _vit_small(c)
+    elif preset == "vit_large":
+        _vit_small(c)
+        _vit_large(c)
     elif preset == "test_vit":
         _demo(c)
         recipes.tiny(c)
@@ -152,7 +156,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     else:
         raise ValueError(
             f"Unknown preset {preset!r} of configs/dino.py: use '', 'imagenet', 'vissl', "
-            "'vit_small', 'demo', 'demo_vit', 'test' or 'test_vit'."
+            "'vit_small', 'vit_large', 'demo', 'demo_vit', 'test' or 'test_vit'."
         )
     return c
 
@@ -200,6 +204,32 @@ def _vit_small(c: ml_collections.ConfigDict) -> None:
     o.regularize_bias = False
     o.grad_clip_per_parameter = 3.0
     c.checkpoint.every_steps = 1251  # every epoch at batch 1024
+
+
+def _vit_large(c: ml_collections.ConfigDict) -> None:
+    """A ViT-L/16 (304M parameters) trained with the DINO repository's largest published
+    recipe, ViT-B/16's (its args.txt: batch 1024, lr 7.5e-4 per 256, min_lr 2e-6, 400 epochs,
+    teacher temperature 0.04 -> 0.07 over 50 epochs, gradient clipping 0.3, the last layer
+    frozen for 3 epochs, global crops at scale (0.25, 1), 10 local crops at (0.05, 0.25), drop
+    path 0.1); DINO published no ViT-L. To fit a large model and its teacher: the parameters,
+    the teacher and the optimizer state split over the devices (``parallel.shard_params``,
+    FSDP), every block recomputed in the backward pass (``model.remat``), bfloat16 compute.
+    With fewer or smaller devices add ``--config.optim.accumulation_steps=k`` (the same
+    loss, centre and teacher over the whole batch)."""
+    c.model.trunk = "vit_large"
+    c.model.dtype = "bfloat16"
+    c.model.remat = "full"
+    c.parallel.shard_params = True
+    m = c.method
+    m.warmup_teacher_temp_epochs = 50.0
+    m.freeze_last_layer_epochs = 3.0
+    a = c.data.augment
+    a.crop_scale = ((0.25, 1.0), (0.25, 1.0), (0.05, 0.25))
+    c.num_epochs = 400
+    o = c.optim
+    o.base_lr = 7.5e-4
+    o.final_lr_fraction = 2e-6 / (7.5e-4 * 1024 / 256)  # min_lr over the peak at batch 1024
+    o.grad_clip_per_parameter = 0.3
 
 
 def _vissl_resnet(c: ml_collections.ConfigDict) -> None:

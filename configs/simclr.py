@@ -3,10 +3,14 @@ configs/config/pretrain/simclr/simclr_8node_resnet.yaml.
 
   python launch.py --config=configs/simclr.py --workdir=runs/simclr \
       --config.data.source=tfds --config.data.name=imagenet2012      # ImageNet, 100 epochs
+  python launch.py --config=configs/simclr.py:imagenet_8dev --workdir=runs/simclr \
+      --config.data.source=tfds --config.data.name=imagenet2012      # the same on 8 devices
   python launch.py --config=configs/simclr.py:demo --workdir=runs/simclr_demo   # CPU, minutes
 
-Presets: "" / "imagenet" (the reference recipe), "demo" (small ResNet-18 on the built-in demo
-data at 32 px; prints the kNN accuracy of learned vs random features), "test" (tiny).
+Presets: "" / "imagenet" (the reference recipe, batch 4096 on 64 GPUs), "imagenet_8dev" (that
+recipe's batch of 4096 on 8 devices, by exact gradient accumulation), "demo" (small ResNet-18
+on the built-in demo data at 32 px; prints the kNN accuracy of learned vs random features),
+"test" (tiny).
 """
 
 import ml_collections
@@ -47,13 +51,16 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     if preset in ("", "imagenet"):
         pass
+    elif preset == "imagenet_8dev":
+        _eight_devices(c)
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
             recipes.tiny(c)
     else:
         raise ValueError(
-            f"Unknown preset {preset!r} of configs/simclr.py: use '', 'imagenet', 'demo' or 'test'."
+            f"Unknown preset {preset!r} of configs/simclr.py: use '', 'imagenet', 'imagenet_8dev', "
+            "'demo' or 'test'."
         )
     return c
 
@@ -75,3 +82,13 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     o.interval_scaling = "rescaled"
     o.weight_decay = 5e-4  # a few hundred steps on 8000 images: the demo's MoCo value
     c.method.temperature = 0.2
+
+
+def _eight_devices(c: ml_collections.ConfigDict) -> None:
+    """VISSL's recipe, batch 4096 included, on 8 devices: each device's 512 examples go
+    through the step as 8 micro-batches of 64, VISSL's BATCHSIZE_PER_REPLICA
+    (``optim.accumulation_steps``, jssl.training.accumulation). The loss is NT-Xent over the
+    whole batch, 8190 negatives per view as on 64 GPUs, not over each micro-batch. What
+    differs: batch norm normalises each micro-batch (512 images with ``sync_bn`` across the 8
+    devices) where VISSL's SyncBN sees all 4096. The cost: one more forward pass per step."""
+    c.optim.accumulation_steps = 8

@@ -3,9 +3,12 @@ configs/config/pretrain/swav/swav_8node_resnet.yaml (400 epochs, batch 4096, mul
 
   python launch.py --config=configs/swav.py --workdir=runs/swav \
       --config.data.source=tfds --config.data.name=imagenet2012      # ImageNet, 400 epochs
+  python launch.py --config=configs/swav.py:seer --workdir=runs/seer \
+      --config.data.source=folder --config.data.data_dir=/data/uncurated     # SEER, RegNetY
   python launch.py --config=configs/swav.py:demo --workdir=runs/swav_demo    # CPU, minutes
 
-Presets: "" / "imagenet" (the reference recipe), "demo" (small ResNet-18 on the built-in demo
+Presets: "" / "imagenet" (the reference recipe), "seer" (SEER's SwAV on a RegNetY-128GF, its
+state split over the devices), "demo" (small ResNet-18 on the built-in demo
 data, 2x32 px + 2x16 px crops; prints the kNN accuracy of learned vs random features), "test"
 (tiny). With small batches, SwAV's queue (``method.queue_length``, e.g. 3840 from epoch 15 at
 batch 256 as in the SwAV repository's README) keeps the equipartition meaningful.
@@ -69,6 +72,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     if preset in ("", "imagenet"):
         pass
+    elif preset == "seer":
+        _seer(c)
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
@@ -84,9 +89,32 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             c.method.queue_start_epoch = 0.5  # step 2 of the 4 steps of an epoch
     else:
         raise ValueError(
-            f"Unknown preset {preset!r} of configs/swav.py: use '', 'imagenet', 'demo' or 'test'."
+            f"Unknown preset {preset!r} of configs/swav.py: use '', 'imagenet', 'seer', 'demo' or "
+            "'test'."
         )
     return c
+
+
+def _seer(c: ml_collections.ConfigDict) -> None:
+    """SEER (Goyal et al. 2021, "Self-supervised Pretraining of Visual Features in the Wild") on
+    its RegNetY-128GF (645M parameters): VISSL's swav_8node_resnet.yaml with the trunk of
+    models/regnet128Gf.yaml and the head of heads/d7392_d8192_d8192_d256_proto16k.yaml (MLP
+    7392-8192-8192-256 without BN, 16000 prototypes); the optimisation of
+    projects/SEER/MODEL_DOCUMENTATION.md (batch 8192, lr 0.3 per 256 = 9.6, linear warmup then
+    cosine, weight decay 1e-5, mixed precision; the paper's 2 x 224 + 4 x 96 px crops). SEER
+    trained one epoch over a billion images; ``num_epochs`` and the data are the user's. The
+    state is split over the devices (``parallel.shard_params``, VISSL's FSDP trunk) and every
+    block recomputed in the backward pass (SEER's activation checkpointing)."""
+    c.model.trunk = "regnet_y_128gf"
+    c.model.head_dims = (7392, 8192, 8192, 256)
+    c.model.head_bn = False
+    c.model.remat = "full"
+    c.parallel.shard_params = True
+    c.method.num_prototypes = (16000,)
+    c.data.batch_size = 8192
+    c.data.augment.num_crops = (2, 4)
+    c.data.augment.crop_sizes = (224, 96)
+    c.optim.weight_decay = 1e-5
 
 
 def _demo(c: ml_collections.ConfigDict) -> None:
