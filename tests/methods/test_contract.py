@@ -111,7 +111,15 @@ def _perturbed(tree: Any, key: jax.Array, scale: float | None) -> Any:
     return treedef.unflatten(noisy)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Slow tier (JSSL_SLOW_TESTS=1): the ViT variants run the same method code as their ResNet
+# rows; their ViT steps are in CI elsewhere (DINO's: test_parallel.py's dino_vit row; MoCo
+# v3's: test_mocov3.py's frozen patch projection and momentum encoder tests).
+SLOW_CASES = ("dino_vit", "mocov3_vit")
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]
+)
 def test_method_meets_the_contract(case):
     config = _config(case)
     row = ROWS[CASES[case][0]]

@@ -301,8 +301,9 @@ def test_frozen_last_layer_ema_teacher_and_center_in_the_step(shared_dirs):
     assert not np.allclose(trunk, jax.tree.leaves(state.ema_params["trunk"])[0])
 
 
-# Slow tier: CI checks the ViT preset's step in test_contract.py (dino_vit) and its drop-path
-# masks per row of the global batch in tests/training/test_parallel.py.
+# Slow tier: CI checks the ViT preset's step and its drop-path masks per row of the global
+# batch in tests/training/test_parallel.py (dino_vit), and a run of it in
+# tests/evaluation/test_evaluate.py (test_knn_on_a_dino_vit_workdir).
 @pytest.mark.slow
 def test_vit_trains_with_the_students_drop_path(tmp_path, shared_dirs):
     """DINO on a ViT (the "test_vit" preset: ViT-Tiny/4, drop path 0.1): a run trains end to

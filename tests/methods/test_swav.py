@@ -4,6 +4,8 @@ before, a zero weight drops a crop's targets, each is logged), presets and start
 The loss and Sinkhorn are tested in test_losses*.py; 1 vs 4 devices in test_parallel.py; the
 contract and a run end to end (each term written and logged) in test_contract*.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,6 +179,13 @@ def _terms_config(num_prototypes=(8,)):
     return config
 
 
+@functools.cache
+def _default_terms(num_prototypes):
+    """``_loss_and_grads`` of the default weights with the loss of before, computed once for
+    the tests that compare with it (a compile each)."""
+    return jax.device_get(_loss_and_grads(_terms_config(num_prototypes), reference=True))
+
+
 # Two prototype heads (8, 6) in the slow tier: the crop terms' sum is per head.
 @pytest.mark.parametrize("num_prototypes", [(8,), pytest.param((8, 6), marks=pytest.mark.slow)])
 def test_crop_terms_sum_to_the_single_loss_of_before(num_prototypes):
@@ -185,7 +194,7 @@ def test_crop_terms_sum_to_the_single_loss_of_before(num_prototypes):
         "swapped_prediction_crop0",
         "swapped_prediction_crop1",
     ]
-    value, _, metrics, per_example, terms, old = _loss_and_grads(config, reference=True)
+    value, _, metrics, per_example, terms, old = _default_terms(num_prototypes)
     crop0, crop1 = terms["swapped_prediction_crop0"], terms["swapped_prediction_crop1"]
     assert not np.allclose(crop0, crop1)  # two different targets
     if len(num_prototypes) == 1:
@@ -206,7 +215,7 @@ def test_crop_terms_sum_to_the_single_loss_of_before(num_prototypes):
 
 
 def test_a_zero_weight_removes_that_crops_targets_from_the_gradient():
-    default = _loss_and_grads(_terms_config())
+    default = _default_terms((8,))
     config = _terms_config()
     config.loss.weights.swapped_prediction_crop1 = 0.0
     methods.check_config(config)
