@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import results  # noqa: E402
+import step_cases  # noqa: E402
 
 
 def _row(shard: bool, remat: str, accumulation: int) -> dict:
@@ -61,7 +62,7 @@ def main() -> None:
     results.add_flags(p)
     args = p.parse_args()
     # The step is compiled, never run: LLVM's optimisation level changes the machine code, not
-    # XLA's buffer assignment, and at 0 a ViT-L step compiles several times faster.
+    # XLA's buffer assignment (the same temporaries either way), so the fastest level serves.
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
         + f" --xla_force_host_platform_device_count={args.devices}"
@@ -76,11 +77,9 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jssl import data, methods, parallel
-    from jssl.data import device_augment
+    from jssl import data, parallel
     from jssl.engines import train
-    from jssl.training.state import specs_of
-    from jssl.training.step import make_train_step, stop_flags
+    from jssl.training.step import stop_flags
 
     mesh = parallel.make_mesh()
     rows, state_bytes = [], {}
@@ -91,18 +90,7 @@ def main() -> None:
         config.data.batch_size = args.batch or config.data.batch_size
         config.probe.num_classes = 0
         config.update_from_flattened_dict(overrides)
-        method = methods.get(config, steps_per_epoch=1000)
-        tx, schedule = train.make_optimizer(config, method, steps_per_epoch=1000)
-        state = train.abstract_state(config, method, tx, mesh)
-        step = make_train_step(
-            method,
-            tx,
-            schedule,
-            mesh,
-            augment=device_augment.make_batch_augment(config.data),
-            accumulation_steps=config.optim.accumulation_steps,
-            state_specs=specs_of(state),
-        )
+        state, step = step_cases.engine_step(config, train.abstract_state, mesh)
         host = data.synthetic_batch(config.data, args.devices)  # the layout; shapes below
         size, sharding = config.data.batch_size, parallel.data_sharding(mesh)
         batch = jax.tree.map(

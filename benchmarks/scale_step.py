@@ -10,10 +10,11 @@ row's median step time over the replicated row's, in wall-clock and in process C
   python benchmarks/scale_step.py [--devices 2] [--cases r18_32,vit_t_32] [--steps 10]
       [--accumulation 4] [--no_results]
 
-Cases: r18_32 = MoCo v2 on ResNet-18 (CIFAR stem) at 32 px, global batch 64; vit_t_32 = MoCo
-v3 on a ViT-Tiny/4 at 32 px, global batch 64. The devices are the host CPU's, N of them made
-by XLA_FLAGS before JAX starts; on one host the gathers and reduce-scatters are memory copies,
-so what the split row measures is their cost in the step's schedule, not a network's.
+Cases: r18_32 = MoCo v2's demo model, a quarter-width ResNet-18 (CIFAR stem) at 32 px, global
+batch 64; vit_t_32 = MoCo v3's ViT demo model, a 4-block ViT-Tiny/8 at 32 px, global batch
+64. The devices are the host CPU's, N of them made by XLA_FLAGS before JAX starts; on one host
+the gathers and reduce-scatters are memory copies, so what the split row measures is their
+cost in the step's schedule, not a network's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import results  # noqa: E402
+import step_cases  # noqa: E402
 
 CASES = {
     # name: (configs module, preset, overrides)
@@ -68,11 +70,8 @@ def main() -> None:
 
     import jax
 
-    from jssl import data, methods, parallel
-    from jssl.data import device_augment
+    from jssl import data, parallel
     from jssl.engines import train
-    from jssl.training.state import specs_of
-    from jssl.training.step import make_train_step
 
     mesh = parallel.make_mesh()
     table = []
@@ -84,18 +83,7 @@ def main() -> None:
             config.update_from_flattened_dict({**overrides, **row})
             config.probe.num_classes = 0
             config.knn.enabled = False
-            method = methods.get(config, steps_per_epoch=1000)
-            tx, schedule = train.make_optimizer(config, method, steps_per_epoch=1000)
-            state = train.init_state(config, method, tx, mesh)
-            step = make_train_step(
-                method,
-                tx,
-                schedule,
-                mesh,
-                augment=device_augment.make_batch_augment(config.data),
-                accumulation_steps=config.optim.accumulation_steps,
-                state_specs=specs_of(state),
-            )
+            state, step = step_cases.engine_step(config, train.init_state, mesh)
             host = data.synthetic_batch(config.data, config.data.batch_size, seed=0)
             batch = parallel.host_batch_to_global(host, mesh)
             start = time.perf_counter()

@@ -62,3 +62,28 @@ def case_config(method_name: str, spec: dict, dtype: str, queue_size: int, on_de
         config.data.augment.num_crops = (1, 1, 6)
         config.data.augment.crop_sizes = (spec["image_size"], spec["image_size"], spec["small"])
     return config
+
+
+def engine_step(config, make_state, mesh):
+    """(state, step) as the train engine builds them for ``config`` (its augmentation,
+    accumulation and the state's layout; no online probe). ``make_state`` is
+    ``train.init_state`` (arrays) or ``train.abstract_state`` (shapes, for compiling only)."""
+    from jssl import methods
+    from jssl.data import device_augment
+    from jssl.engines import train
+    from jssl.training.state import specs_of
+    from jssl.training.step import make_train_step
+
+    method = methods.get(config, steps_per_epoch=1000)
+    tx, schedule = train.make_optimizer(config, method, steps_per_epoch=1000)
+    state = make_state(config, method, tx, mesh)
+    step = make_train_step(
+        method,
+        tx,
+        schedule,
+        mesh,
+        augment=device_augment.make_batch_augment(config.data),
+        accumulation_steps=config.optim.accumulation_steps,
+        state_specs=specs_of(state),
+    )
+    return state, step
