@@ -15,7 +15,6 @@ from jssl import methods, models, parallel
 from jssl.checkpoints.run_config import flatten
 from jssl.engines import train
 from jssl.training import state as train_state
-from jssl.training.fresh import _state_creator
 
 DEVICES = 8
 
@@ -23,8 +22,7 @@ DEVICES = 8
 def _state_shapes(config):
     method = methods.get(config, steps_per_epoch=100)
     tx, _ = train.make_optimizer(config, method, steps_per_epoch=100)
-    create, _ = _state_creator(config, method, tx, parallel.make_mesh())
-    return jax.eval_shape(create)
+    return train.abstract_state(config, method, tx, parallel.make_mesh())
 
 
 def _bytes(x) -> int:
