@@ -12,24 +12,20 @@ and "folder" (root/<split>/<class>/<images>). The trainer uses four functions:
 - num_examples, steps_per_epoch: sizes, the same on every process.
 
 The batches come from tf.data (pipeline.py) where TensorFlow is installed, and for the demo
-data from a numpy twin (numpy_pipeline.py) where it is not: loader.py picks one per config
-(data.loader). Importing jssl.data, the crop groups, the order and the on-device augmentation
-never imports TensorFlow; only building a tf.data pipeline does.
+data from a numpy twin (numpy_pipeline.py) where it is not: backend.py picks one per config
+(data.loader), loader.py builds it. Importing jssl.data, the crop groups, the order and the
+on-device augmentation never imports TensorFlow; only building a tf.data pipeline does.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
-from jssl.data.crops import CropGroup, crop_groups, synthetic_batch, total_crops
-from jssl.data.loader import (
-    build_eval_dataset,
-    build_train_dataset,
-    num_examples,
-    steps_per_epoch,
-    train_order,
-)
+from jssl.data.backend import synthetic_batch
+from jssl.data.crops import CropGroup, crop_groups, total_crops
+from jssl.data.loader import build_eval_dataset, build_train_dataset
 from jssl.data.order import epoch_order, process_order, shard_bounds, stream_block_ranges
+from jssl.data.splits import num_examples, steps_per_epoch, train_order
 
 __all__ = [
     "CropGroup",
@@ -56,7 +52,7 @@ def default_config() -> ml_collections.ConfigDict:
     d.name = ""  # TFDS name when source="tfds", e.g. "imagenet2012"
     d.data_dir = ml_collections.config_dict.placeholder(str)  # TFDS dir / folder root
     # "auto": tf.data, or for the demo data a numpy pipeline where TensorFlow is not installed;
-    # "numpy" (demo only) / "tf" to choose (jssl/data/loader.py).
+    # "numpy" (demo only) / "tf" to choose (jssl/data/backend.py).
     d.loader = "auto"
     d.train_split = "train"
     d.test_split = "test"

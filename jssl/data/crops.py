@@ -21,25 +21,16 @@ S_g, S_g, 3); crop j of example i is a function of (seed, epoch, dataset index, 
 crop numbers running over the groups in order (group 0's crops first), so the views of an
 example stay aligned across groups and are the same on any number of processes.
 
-With ``data.augment.on_device`` the host makes only each crop's box, resize and flip
-(``host_crops``, uint8) and the train step the rest (jssl.data.device_augment), from the same
-per-crop seeds.
-
-This module imports TensorFlow only inside the functions that build tf.data ops (make_crops,
-host_crops): the crop groups are also read by the train step, the methods and the numpy
-pipeline (jssl.data.numpy_pipeline), which run without TensorFlow.
+The tf.data ops that make the crops are in jssl.data.transforms (``make_crops``, and
+``host_crops`` where the train step makes the photometric half: jssl.data.device_augment).
+This module imports no other module of jssl.data and no TensorFlow: the crop groups are also
+read by the train step, the methods and the numpy pipeline, which run without TensorFlow.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
-
-import numpy as np
-
-if TYPE_CHECKING:
-    import tensorflow as tf
+from typing import NamedTuple
 
 PROB_FIELDS = ("flip_prob", "color_jitter_prob", "grayscale_prob", "blur_prob", "solarize_prob")
 
@@ -137,89 +128,3 @@ def blur_radius(side: int) -> int:
     """Half the Gaussian kernel's extent: ~10% of the image side as in SimCLR (appendix A).
     Shared by the tf.data blur (transforms.blur) and its on-device twin (device_augment.blur)."""
     return max(1, int(math.ceil(0.1 * side)) // 2)
-
-
-def make_crops(
-    image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
-) -> tuple[tf.Tensor, ...]:
-    """One example's crops: a (num_crops, S, S, 3) tensor per group.
-
-    ``seed`` is the example's seed; crop c (counted over all groups) gets the c-th of a
-    stateless split, so with one group of two crops the views are those of a two-view pipeline.
-    """
-    import tensorflow as tf
-
-    from jssl.data import transforms
-
-    seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
-    out, c = [], 0
-    for group in groups:
-        views = []
-        for _ in range(group.num_crops):
-            views.append(transforms.ssl_view(image, seeds[c], group, augment))
-            c += 1
-        out.append(tf.stack(views))
-    return tuple(out)
-
-
-def host_crops(
-    image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
-) -> tuple[tuple[tf.Tensor, ...], tuple[tf.Tensor, ...]]:
-    """The host's half of make_crops with data.augment.on_device: crop and flip only.
-
-    ``image`` is the decoded image, uint8 or float in [0, 1]. Returns (crops, seeds), per
-    group a (num_crops, S, S, 3) uint8 tensor and a (num_crops, 3, 2) uint32 tensor: each
-    crop's colour, blur and solarize sub-seeds (transforms.view_seeds, the host path's; the
-    low 32 bits of each int64 half), which jssl.data.device_augment turns into the JAX keys
-    of the rest of the view. The crop box, resize and flip are make_crops's; the crop is then
-    rounded to uint8.
-    """
-    import tensorflow as tf
-
-    from jssl.data import transforms
-
-    seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
-    out_crops, out_seeds, c = [], [], 0
-    shape = tf.shape(image)
-    scale = 255.0 if image.dtype.is_floating else 1.0
-    for group in groups:
-        views, view_seeds = [], []
-        for _ in range(group.num_crops):
-            crop_s, flip_s, color_s, blur_s, solar_s = transforms.view_seeds(seeds[c])
-            begin, size = transforms.crop_window(shape, crop_s, group.scale, augment.crop_ratio)
-            crop = tf.slice(image, begin, size)
-            # Resize gives float32 in the input's range: [0, 255] from uint8 (cached splits),
-            # [0, 1] from the float decoders.
-            crop = tf.image.resize(crop, (group.size, group.size), "bilinear", antialias=True)
-            # Round half up; the flip (exact) then moves a quarter of the bytes.
-            crop = tf.saturate_cast(crop * scale + 0.5, tf.uint8)
-            views.append(transforms.random_flip(crop, flip_s, group.flip_prob))
-            low_bits = tf.bitwise.bitwise_and(tf.stack([color_s, blur_s, solar_s]), 0xFFFFFFFF)
-            view_seeds.append(tf.cast(low_bits, tf.uint32))
-            c += 1
-        out_crops.append(tf.stack(views))
-        out_seeds.append(tf.stack(view_seeds))
-    return tuple(out_crops), tuple(out_seeds)
-
-
-def synthetic_batch(data_config, batch_size: int, seed: int = 0) -> dict:
-    """A host batch of noise shaped as the training pipeline's (every crop group), for
-    benchmarks and tests of the step that need no data: Gaussian float32 views, or where the
-    step makes the views (jssl.data.loader.views_on_device) uniform uint8 crops and their
-    ``aug_seeds``."""
-    from jssl.data import loader
-
-    rs = np.random.RandomState(seed)
-    groups = crop_groups(data_config)
-    shapes = [(batch_size, g.num_crops, g.size, g.size, 3) for g in groups]
-    batch = {
-        "crops": tuple(rs.normal(size=shape).astype(np.float32) for shape in shapes),
-        "label": np.zeros(batch_size, np.int32),
-        "index": np.arange(batch_size),
-    }
-    if loader.views_on_device(data_config):
-        batch["crops"] = tuple(rs.randint(0, 256, shape, dtype=np.uint8) for shape in shapes)
-        batch["aug_seeds"] = tuple(
-            rs.randint(0, 2**32, (batch_size, g.num_crops, 3, 2), dtype=np.uint32) for g in groups
-        )
-    return batch

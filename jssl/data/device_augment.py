@@ -1,8 +1,8 @@
 """The photometric half of the SSL views, run on the accelerator inside the jitted train step.
 
 With ``data.augment.on_device=True`` (and with the demo data's numpy pipeline, see
-jssl.data.loader.views_on_device) the host pipeline makes only each view's crop and flip, as
-uint8 (jssl.data.crops.host_crops), and hands over the view's colour, blur and solarize
+jssl.data.backend.views_on_device) the host pipeline makes only each view's crop and flip, as
+uint8 (jssl.data.transforms.host_crops), and hands over the view's colour, blur and solarize
 sub-seeds (jssl.data.transforms.view_seeds, the same (seed, epoch, index, crop) key as the host
 path). Here, per crop and per crop group, the rest of jssl.data.transforms.ssl_view runs in
 float32 on the devices: colour distortion (torchvision ColorJitter in a random order, then
@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jssl.data import backend
 from jssl.data import crops as crops_lib
-from jssl.data import loader
 from jssl.data.crops import blur_radius
 
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # tf.image.rgb_to_grayscale (ITU-R 601)
@@ -214,8 +214,8 @@ def augment_group(crops: jax.Array, seeds: jax.Array, group, augment) -> jax.Arr
 def make_batch_augment(data_config) -> Callable[[dict], dict] | None:
     """The step's batch transform for ``data_config``: the host batch's uint8 ``crops`` and
     ``aug_seeds`` -> float32 normalised ``crops``. None where the host makes the whole views
-    (data.augment.on_device off, and not the numpy pipeline: jssl.data.loader.views_on_device)."""
-    if not loader.views_on_device(data_config):
+    (data.augment.on_device off, and not the numpy pipeline: jssl.data.backend.views_on_device)."""
+    if not backend.views_on_device(data_config):
         return None
     groups = crops_lib.crop_groups(data_config)
     augment = data_config.augment

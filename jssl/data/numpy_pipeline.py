@@ -1,6 +1,6 @@
 """The demo data's input pipeline in numpy: the tf.data pipeline's batches without TensorFlow.
 
-jssl.data.loader picks it for data.source="demo" where TensorFlow is not installed (or with
+jssl.data.backend picks it for data.source="demo" where TensorFlow is not installed (or with
 data.loader="numpy"). The images are jssl.data.demo's, generated in memory, so the dataset is
 the one the TFDS builder stores. Batches have jssl.data.pipeline's layout and its exact training
 order (jssl.data.order: a seeded permutation per epoch, this process's rows of each global
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jssl.data import crops, demo, loader, order, sources
+from jssl.data import backend, crops, demo, order, sources, splits
 
 _MAX_ATTEMPTS = 10  # crop boxes tried before the whole image is used (transforms.crop_window)
 _SEED_WORDS = 6  # the step's colour, blur and solarise seeds: (3, 2) uint32
@@ -160,8 +160,8 @@ def build_train_dataset(
 ) -> Batches:
     """This process's batches of one training epoch, as jssl.data.pipeline's: "crops" (one
     (local batch, num_crops, S, S, 3) array per group), "label", "index", "replaced", and
-    "aug_seeds" where the step makes the views (loader.views_on_device)."""
-    local_batch, source, steps, start_step = loader.train_epoch(
+    "aug_seeds" where the step makes the views (backend.views_on_device)."""
+    local_batch, source, steps, start_step = splits.train_epoch(
         data_config, start_step=start_step, process_count=process_count
     )
     global_order = order.epoch_order(
@@ -171,7 +171,7 @@ def build_train_dataset(
     rows = stream[start_step * local_batch : steps * local_batch].reshape(-1, local_batch)
     groups = crops.crop_groups(data_config)
     augment = data_config.augment
-    on_device = loader.views_on_device(data_config)
+    on_device = backend.views_on_device(data_config)
     finish = not on_device  # crop and flip are the whole view
     images, labels = _split_arrays(source)
 

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from jssl.data import crops, decoding, loader, order, sources, transforms
+from jssl.data import crops, decoding, order, sources, splits, transforms
 
 AUTOTUNE = tf.data.AUTOTUNE
 _DECODED: dict[tuple, decoding.DecodedSplit] = {}  # data.cache: decoded splits, once per process
@@ -130,10 +130,10 @@ def _views_fn(data_config):
 
         def views(image, example_seed):
             if on_device:  # crop + flip in uint8; colour, blur, ... in the step (device_augment)
-                crops_, seeds = crops.host_crops(image, example_seed, groups, augment)
+                crops_, seeds = transforms.host_crops(image, example_seed, groups, augment)
                 return {"crops": crops_, "aug_seeds": seeds}
             image = tf.image.convert_image_dtype(image, tf.float32)
-            return {"crops": crops.make_crops(image, example_seed, groups, augment)}
+            return {"crops": transforms.make_crops(image, example_seed, groups, augment)}
 
         _VIEWS[key] = tf.function(
             views,
@@ -225,7 +225,7 @@ def build_train_dataset(
     is True where the row stands in for an unreadable example (data.skip_corrupt=True). See the
     jssl.data.order docstring for which order each source gives.
     """
-    local_batch, source, steps, start_step = loader.train_epoch(
+    local_batch, source, steps, start_step = splits.train_epoch(
         data_config, start_step=start_step, process_count=process_count
     )
     # Positions in this process's stream of the epoch: row r of its batch t is position

@@ -12,7 +12,7 @@ prepared in ArrayRecord files (`tfds build NAME --file_format=array_record`), re
 random-access data source. The training pipeline then reads exactly the examples of the global
 order (jssl.data.order); TFRecord files can only be streamed.
 
-The demo data read by the numpy pipeline (jssl.data.loader picks it where TensorFlow is missing)
+The demo data read by the numpy pipeline (jssl.data.backend picks it where TensorFlow is missing)
 resolves to kind "demo": its images are generated in memory (jssl.data.demo), with TFDS's split
 and slice syntax (`slice_bounds`). TensorFlow and TFDS are imported only by the functions that
 read TFDS data or build tf.data ops, so resolving a folder or the numpy demo needs neither.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
-from jssl.data import demo, loader
+from jssl.data import backend, demo
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -147,7 +147,7 @@ class SplitSource:
 
 
 def _tfds_builder(data_config) -> tfds.core.DatasetBuilder:
-    loader.require_tensorflow(data_config)
+    backend.require_tensorflow(data_config)
     import tensorflow_datasets as tfds
 
     data_dir = data_config.data_dir
@@ -346,7 +346,7 @@ def list_image_folder(root: str, split: str) -> tuple[tuple[str, ...], np.ndarra
 
 def resolve_split(data_config, split: str, limit: int = -1) -> SplitSource:
     """Resolve `split` of the configured source; `limit` > 0 keeps only its first `limit`."""
-    if data_config.source == "demo" and loader.resolve(data_config) == "numpy":
+    if data_config.source == "demo" and backend.resolve(data_config) == "numpy":
         source = _resolve_demo(data_config, split)
     elif data_config.source in ("demo", "tfds"):
         source = _resolve_tfds(data_config, split)

@@ -6,6 +6,8 @@ inside `tf.data`, whatever the parallelism. `ssl_view` composes one training vie
 VISSL's SimCLR/MoCo-v2 pipeline (RandomResizedCrop, RandomHorizontalFlip, ImgPilColorDistortion,
 ImgPilGaussianBlur, ImgPilRandomSolarize, ToTensor, Normalize; vissl/configs/config/pretrain/simclr
 and vissl/data/ssl_transforms/img_pil_*.py), and `eval_image` is the usual resize + centre crop.
+`make_crops` makes one example's crops of every crop group (jssl.data.crops), and `host_crops`
+only their crop and flip where the train step makes the rest (jssl.data.device_augment).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from jssl.data.crops import blur_radius
+from jssl.data.crops import CropGroup, blur_radius
 
 Seed = tf.Tensor  # shape (2,), int32 or int64
 
@@ -261,3 +263,58 @@ def eval_image(image: tf.Tensor, size: int, mean: Sequence[float], std: Sequence
     out = tf.cond(short <= size, resize_only, resize_crop)
     out = tf.clip_by_value(tf.ensure_shape(out, [size, size, 3]), 0.0, 1.0)
     return normalize(out, mean, std)
+
+
+def make_crops(
+    image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
+) -> tuple[tf.Tensor, ...]:
+    """One example's crops: a (num_crops, S, S, 3) tensor per group.
+
+    ``seed`` is the example's seed; crop c (counted over all groups) gets the c-th of a
+    stateless split, so with one group of two crops the views are those of a two-view pipeline.
+    """
+    seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
+    out, c = [], 0
+    for group in groups:
+        views = []
+        for _ in range(group.num_crops):
+            views.append(ssl_view(image, seeds[c], group, augment))
+            c += 1
+        out.append(tf.stack(views))
+    return tuple(out)
+
+
+def host_crops(
+    image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
+) -> tuple[tuple[tf.Tensor, ...], tuple[tf.Tensor, ...]]:
+    """The host's half of make_crops with data.augment.on_device: crop and flip only.
+
+    ``image`` is the decoded image, uint8 or float in [0, 1]. Returns (crops, seeds), per
+    group a (num_crops, S, S, 3) uint8 tensor and a (num_crops, 3, 2) uint32 tensor: each
+    crop's colour, blur and solarize sub-seeds (view_seeds, the host path's; the
+    low 32 bits of each int64 half), which jssl.data.device_augment turns into the JAX keys
+    of the rest of the view. The crop box, resize and flip are make_crops's; the crop is then
+    rounded to uint8.
+    """
+    seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
+    out_crops, out_seeds, c = [], [], 0
+    shape = tf.shape(image)
+    scale = 255.0 if image.dtype.is_floating else 1.0
+    for group in groups:
+        views, crop_seeds = [], []
+        for _ in range(group.num_crops):
+            crop_s, flip_s, color_s, blur_s, solar_s = view_seeds(seeds[c])
+            begin, size = crop_window(shape, crop_s, group.scale, augment.crop_ratio)
+            crop = tf.slice(image, begin, size)
+            # Resize gives float32 in the input's range: [0, 255] from uint8 (cached splits),
+            # [0, 1] from the float decoders.
+            crop = tf.image.resize(crop, (group.size, group.size), "bilinear", antialias=True)
+            # Round half up; the flip (exact) then moves a quarter of the bytes.
+            crop = tf.saturate_cast(crop * scale + 0.5, tf.uint8)
+            views.append(random_flip(crop, flip_s, group.flip_prob))
+            low_bits = tf.bitwise.bitwise_and(tf.stack([color_s, blur_s, solar_s]), 0xFFFFFFFF)
+            crop_seeds.append(tf.cast(low_bits, tf.uint32))
+            c += 1
+        out_crops.append(tf.stack(views))
+        out_seeds.append(tf.stack(crop_seeds))
+    return tuple(out_crops), tuple(out_seeds)

@@ -76,13 +76,13 @@ def test_each_group_has_its_size_and_probabilities():
     rs = np.random.default_rng(0)
     image = tf.constant(rs.uniform(0, 1, (24, 20, 3)).astype(np.float32))
     seed = transforms.example_seed(0, 0, tf.constant(5))
-    out = crops.make_crops(image, seed, crops.crop_groups(config), config.augment)
+    out = transforms.make_crops(image, seed, crops.crop_groups(config), config.augment)
     assert [tuple(g.shape) for g in out] == [(1, 16, 16, 3), (2, 8, 8, 3)]
     mean, std = np.array(config.augment.mean), np.array(config.augment.std)
     colour, grey = out[0].numpy() * std + mean, out[1].numpy() * std + mean
     np.testing.assert_allclose(grey[..., 0], grey[..., 2], atol=1e-5)
     assert np.abs(colour[..., 0] - colour[..., 2]).max() > 0.05
-    again = crops.make_crops(image, seed, crops.crop_groups(config), config.augment)
+    again = transforms.make_crops(image, seed, crops.crop_groups(config), config.augment)
     for a, b in zip(out, again, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 

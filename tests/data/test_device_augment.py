@@ -150,7 +150,7 @@ def _host_views(image, seeds, group, augment):
 def _device_views(image, seeds, group, augment):
     """host_crops then the step's augmentation, one view per example seed."""
     ds = tf.data.Dataset.from_tensor_slices(seeds).map(
-        lambda s: crops.host_crops(tf.constant(image), s, [group], augment)
+        lambda s: transforms.host_crops(tf.constant(image), s, [group], augment)
     )
     rows = list(ds.as_numpy_iterator())
     uint8 = np.stack([r[0][0] for r in rows])  # (n, 1, S, S, 3)
@@ -199,9 +199,9 @@ def test_crop_and_flip_match_the_host_path_up_to_uint8():
     groups = crops.crop_groups(config)
     image = _image(40, 30, seed=2)
     seed = tf.constant([5, 9], tf.int64)
-    host = crops.make_crops(tf.constant(image), seed, groups, config.augment)
+    host = transforms.make_crops(tf.constant(image), seed, groups, config.augment)
     for source in (image, (image * 255).round().astype(np.uint8)):
-        uint8, aug_seeds = crops.host_crops(tf.constant(source), seed, groups, config.augment)
+        uint8, aug_seeds = transforms.host_crops(tf.constant(source), seed, groups, config.augment)
         augment = dev.make_batch_augment(_on_device(config))
         batch = {"crops": tuple(c.numpy()[None] for c in uint8)}
         batch["aug_seeds"] = tuple(s.numpy()[None] for s in aug_seeds)

@@ -87,7 +87,7 @@ def test_core_and_engines_import_where_tensorflow_is_missing():
     code = HIDE_TENSORFLOW + f"for m in {CORE!r} + ('jssl.engines.train', 'jssl.cli'):\n"
     code += "    __import__(m)\n"
     code += "from jssl import data\nfrom configs import moco\n"
-    code += "print(data.loader.resolve(moco.get_config('test').data))"
+    code += "print(data.backend.resolve(moco.get_config('test').data))"
     out = _python(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "numpy"

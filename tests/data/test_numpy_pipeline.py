@@ -10,7 +10,7 @@ import tensorflow_datasets as tfds
 from support.launch import prepare_shared_dirs
 
 import jssl.data as data
-from jssl.data import crops, demo, device_augment, loader, numpy_pipeline, sources, transforms
+from jssl.data import backend, crops, demo, device_augment, numpy_pipeline, sources, transforms
 
 
 @pytest.fixture(scope="module")
@@ -154,29 +154,29 @@ def test_views_depend_only_on_seed_epoch_index(demo_dir):
 
 def test_the_step_makes_the_views_unless_crop_and_flip_are_all(demo_dir):
     config = _config(demo_dir, "numpy")
-    assert loader.views_on_device(config)
+    assert backend.views_on_device(config)
     assert device_augment.make_batch_augment(config) is not None
     batch = data.synthetic_batch(config, 4)
     assert batch["crops"][0].dtype == np.uint8 and "aug_seeds" in batch
     # The linear heads' images: crop and flip only, so the host makes float views.
     for field in crops.PROB_FIELDS[1:]:
         config.augment[field] = (0.0,)
-    assert not loader.views_on_device(config)
+    assert not backend.views_on_device(config)
     assert device_augment.make_batch_augment(config) is None
     (batch,) = list(data.build_train_dataset(config, seed=0, epoch=0, start_step=5))
     assert "aug_seeds" not in batch and batch["crops"][0].dtype == np.float32
     assert batch["crops"][0].shape == (8, 2, 16, 16, 3)
     assert -2.2 < batch["crops"][0].min() < batch["crops"][0].max() < 2.7  # normalised
     # tf.data keeps data.augment.on_device's meaning.
-    assert not loader.views_on_device(_config(demo_dir, "tf"))
+    assert not backend.views_on_device(_config(demo_dir, "tf"))
 
 
 def test_which_pipeline(demo_dir, monkeypatch, caplog):
     config = _config(demo_dir, "auto")
-    assert loader.resolve(config) == "tf"  # TensorFlow is installed here
-    monkeypatch.setattr(loader, "tensorflow_available", lambda: False)
+    assert backend.resolve(config) == "tf"  # TensorFlow is installed here
+    monkeypatch.setattr(backend, "tensorflow_available", lambda: False)
     with caplog.at_level(logging.INFO):
-        assert loader.resolve(config) == "numpy"
+        assert backend.resolve(config) == "numpy"
     assert data.num_examples(config, "train") == 48
     assert data.num_examples(config, "test[10%:-10%]") == 1600
     assert data.train_order(config).startswith("exact")
@@ -185,10 +185,10 @@ def test_which_pipeline(demo_dir, monkeypatch, caplog):
         data.build_eval_dataset(config, "test", batch_size=8)
     config.loader = "numpy"
     with pytest.raises(ValueError, match='data.loader="numpy" reads only the built-in demo'):
-        loader.resolve(config)
+        backend.resolve(config)
     config.loader = "jax"
     with pytest.raises(ValueError, match="data.loader='jax'"):
-        loader.resolve(config)
+        backend.resolve(config)
 
 
 @pytest.mark.parametrize(
