@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from support.step_parity import without_batch_norm
 from test_contract import _config
 
 from jssl import data, methods, parallel
@@ -22,20 +23,6 @@ from jssl.training.step import make_train_step
 
 BATCH = 16
 STEPS = 4
-
-
-def _without_batch_norm(config):
-    """The method's test preset on a one-block ViT with BN-free heads and no drop path."""
-    m = config.model
-    m.trunk, m.vit_depth, m.patch_size, m.image_size = "vit_tiny", 1, 8, 16
-    m.drop_path_rate = 0.0
-    if m.head_dims:  # the ViT's 192 features feed the head (DINO's head is its own)
-        m.head_dims = (192, *m.head_dims[1:])
-    m.head_bn = m.head_last_bn = False
-    for field in ("predictor_bn", "predictor_last_bn", "use_bn_in_head"):
-        if field in config.method:
-            config.method[field] = False
-    return config
 
 
 def _batch(config):
@@ -92,7 +79,7 @@ def test_micro_batches_give_the_whole_batch_step(name):
     SwAV's queue) and the gradient (compared as one vector: float32 sums in another order)."""
     assert jax.device_count() == 1  # the whole local batch is the global batch
     ((whole_loss, whole), whole_grads), ((micro_loss, micro), micro_grads) = _whole_and_micro(
-        _without_batch_norm(_config(name))
+        without_batch_norm(_config(name))
     )
     np.testing.assert_allclose(micro_loss, whole_loss, rtol=2e-5)
     for key, value in whole.metrics.items():
@@ -105,7 +92,7 @@ def test_micro_batches_give_the_whole_batch_step(name):
 
 def test_the_train_step_accumulates():
     """make_train_step(accumulation_steps=4): the same metrics and updated state as one pass."""
-    config = _without_batch_norm(_config("moco"))
+    config = without_batch_norm(_config("moco"))
     results = []
     for steps in (1, STEPS):
         mesh, method, state, batch = _start(config)

@@ -6,7 +6,7 @@ Used by tests/test_parallel.py in subprocesses with different device and process
 process runs every method asked for, so the suite pays JAX's start-up once per device count.
 
   python tests/support/step_parity.py OUT.npz --methods moco,simclr [--shard_params 1]
-      [--process_id I --num_processes N --port P]
+      [--accumulation_steps K] [--process_id I --num_processes N --port P]
 
 OUT.npz holds ``devices`` and, per method m, ``m:loss`` (one per step), ``m:params``,
 ``m:ema`` (the momentum encoder / teacher, when the method has one) and ``m:state``
@@ -27,14 +27,34 @@ GLOBAL_BATCH = 16
 STEPS = {"swav": 4, "byol": 3, "simsiam": 3, "dino": 3, "mocov3": 3, "dino_vit": 2}
 
 
+def without_batch_norm(config):
+    """``config`` on a one-block ViT with BN-free heads and no drop path: what exact gradient
+    accumulation must reproduce to float rounding (batch norm normalises each micro-batch on
+    its own, and drop path draws per row of the micro-batch)."""
+    m = config.model
+    m.trunk, m.vit_depth, m.patch_size, m.image_size = "vit_tiny", 1, 8, 16
+    m.drop_path_rate = 0.0
+    if m.head_dims:  # the ViT's 192 features feed the head (DINO's head is its own)
+        m.head_dims = (192, *m.head_dims[1:])
+    m.head_bn = m.head_last_bn = False
+    for field in ("predictor_bn", "predictor_last_bn", "use_bn_in_head"):
+        if field in config.method:
+            config.method[field] = False
+    return config
+
+
 def configure(method: str):
     """The method's "test" preset, made a non-chaotic recipe for an invariance test."""
     # dino_vit: DINO's "test_vit" preset, a 2-block ViT with the student's drop path 0.1;
-    # moco_larc: MoCo with VISSL's LARC, whose trust ratios are norms of whole parameters.
+    # moco_larc: MoCo with VISSL's LARC, whose trust ratios are norms of whole parameters;
+    # <method>_accum: the method without batch norm (``without_batch_norm``), for runs with
+    # --accumulation_steps.
     module, preset = {"dino_vit": ("dino", "test_vit"), "moco_larc": ("moco", "test")}.get(
-        method, (method, "test")
+        method, (method.removesuffix("_accum"), "test")
     )
     config = importlib.import_module(f"configs.{module}").get_config(preset)
+    if method.endswith("_accum"):
+        without_batch_norm(config)
     # No BN in the projector, T 0.1 and plain SGD (MoCo v2's own head, not the demo's BN
     # projector): an output BN makes the trunk's gradient a sum of nearly cancelling
     # per-example terms on these noise images, so float32 reduction order alone moves it by
@@ -67,6 +87,9 @@ def main() -> None:
     p.add_argument("--sync_bn", type=int, default=1)
     p.add_argument("--shard_params", type=int, default=0, help="1: parallel.shard_params")
     p.add_argument("--shard_min_size", type=int, default=256, help="parallel.shard_min_size")
+    p.add_argument(
+        "--accumulation_steps", type=int, default=1, help="optim.accumulation_steps of *_accum"
+    )
     p.add_argument("--steps", type=int, default=0, help="0: each method's own (STEPS, else 2)")
     p.add_argument("--save", default="", help="a workdir: checkpoint the state after --save_after")
     p.add_argument("--save_after", type=int, default=2)
@@ -98,6 +121,8 @@ def main() -> None:
         config.model.sync_bn = bool(args.sync_bn)
         config.parallel.shard_params = bool(args.shard_params)
         config.parallel.shard_min_size = args.shard_min_size  # 256: the tiny kernels split too
+        if name.endswith("_accum"):
+            config.optim.accumulation_steps = args.accumulation_steps
         method = methods.get(config, steps_per_epoch=4)
         tx, schedule = make_optimizer(config, method, steps_per_epoch=4)
         state = init_state(config, method, tx, mesh)
@@ -106,7 +131,14 @@ def main() -> None:
             manager, state, _, _ = checkpoint.resume(
                 args.save or args.resume, config.checkpoint, state
             )
-        step = make_train_step(method, tx, schedule, mesh, state_specs=specs_of(state))
+        step = make_train_step(
+            method,
+            tx,
+            schedule,
+            mesh,
+            accumulation_steps=config.optim.accumulation_steps,
+            state_specs=specs_of(state),
+        )
         losses = []
         for i in range(int(state.step), args.steps or STEPS.get(name, 2)):
             if args.save and i == args.save_after:
@@ -124,6 +156,7 @@ def main() -> None:
             {"params": state.params, "ema": state.ema_params, "state": state.method_state}
         )
         saved[f"{name}:loss"] = np.array(losses)
+        saved[f"{name}:accumulation_steps"] = config.optim.accumulation_steps
         for key in ("params", "ema", "state"):
             if jax.tree.leaves(host[key]):
                 saved[f"{name}:{key}"] = ravel_pytree(host[key])[0]

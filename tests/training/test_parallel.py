@@ -1,7 +1,7 @@
 """The same global batch gives the same loss and parameters on 1 device, on 4 devices with the
-state split over them (parallel.shard_params), and on 2 processes x 2 devices (gloo CPU
-collectives), with cross-replica batch norm; a split state's checkpoint saved on 8 devices
-continues on 4 and on 1 as it does on 8."""
+state split over them (parallel.shard_params) and, without batch norm, in exact accumulation's
+micro-batches, and on 2 processes x 2 devices (gloo CPU collectives), with cross-replica batch
+norm; a split state's checkpoint saved on 8 devices continues on 4 and on 1 as it does on 8."""
 
 import os
 import socket
@@ -68,6 +68,11 @@ PARITY = {
     "device's own key gave other masks on 4 devices than on 1)",
     "moco_larc": "LARC's trust ratios, norms of whole parameters that the split state holds "
     "in parts",
+    # Exact accumulation (ACCUMULATE micro-batches per device on 4 devices against one pass
+    # on 1): the objective and its gradient over the embeddings of every micro-batch of every
+    # device, once per step (jssl/training/accumulation.py), on a BN-free ViT.
+    "simclr_accum": "negatives from every micro-batch of every device",
+    "dino_accum": "the centre and the teacher's targets over every micro-batch of every device",
 }
 # Slow tier (JSSL_SLOW_TESTS=1), with the CI row that holds what each adds: DINO on the ResNet
 # (the centre: dino_vit; the teacher's synchronised BN statistics: mocov3's momentum encoder)
@@ -79,18 +84,20 @@ SLOW = ("dino", "simsiam")
 # replicated layout on several devices is the 2-process run's (and every other multi-device
 # test's).
 SHARDED = ("--shard_params", "1")
+ACCUMULATE = ("--accumulation_steps", "2")  # 4 examples per device: 2 micro-batches of 2
 
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory):
-    """Every PARITY method on 1 and on 4 devices (the state split), the two processes side by
-    side (XLA compiles on one core each, so together they take about the time of one)."""
+    """Every PARITY method on 1 and on 4 devices (the state split; the *_accum rows in
+    micro-batches), the two processes side by side (XLA compiles on one core each, so together
+    they take about the time of one)."""
     outs = {n: tmp_path_factory.mktemp(f"devices{n}") / "r.npz" for n in (1, 4)}
     names = [n for n in PARITY if os.environ.get("JSSL_SLOW_TESTS") == "1" or n not in SLOW]
     procs = {
         n: subprocess.Popen(
             [sys.executable, SCRIPT, str(out), "--methods", ",".join(names)]
-            + list(SHARDED if n > 1 else ()),
+            + list(SHARDED + ACCUMULATE if n > 1 else ()),
             env=_env(n),
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -142,6 +149,9 @@ def test_four_devices_match_one(one_device, four_devices, method):
     assert int(four_devices["devices"]) == 4 and int(one_device["devices"]) == 1
     # The loss moves between steps, so the comparison covers the optimizer and the state.
     assert not np.allclose(one_device[f"{method}:loss"][0], one_device[f"{method}:loss"][1])
+    if method.endswith("_accum"):  # micro-batches on 4 devices, one pass on 1
+        assert int(four_devices[f"{method}:accumulation_steps"]) == int(ACCUMULATE[1])
+        assert int(one_device[f"{method}:accumulation_steps"]) == 1
     _assert_same(one_device, four_devices, method)
 
 
@@ -158,7 +168,8 @@ def test_two_processes_match_one(one_device, tmp_path):
                 SCRIPT,
                 str(out),
                 "--methods",
-                "moco",
+                "moco,simclr_accum",
+                *ACCUMULATE,
                 "--process_id",
                 str(i),
                 "--num_processes",
@@ -177,7 +188,8 @@ def test_two_processes_match_one(one_device, tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
     two = dict(np.load(out))
     assert int(two["devices"]) == 4
-    _assert_same(one_device, two, "moco")
+    for method in ("moco", "simclr_accum"):
+        _assert_same(one_device, two, method)
 
 
 def test_per_device_bn_with_shuffle_runs_on_four_devices(tmp_path):
