@@ -136,9 +136,10 @@ def main() -> None:
         ),
         headline=headline,
         notes=(
-            "On XLA's CPU backend a ResNet's convolutions inside the accumulation's loops over "
-            "micro-batches (lax.map, lax.scan) run several times slower than the same "
-            "convolutions unrolled; a ViT's matrix multiplications do not."
+            "The ResNet trains its convolutions through jssl.models.cpu_ops on this backend, "
+            "whose gradients are convolutions in the forward layout: XLA's own gradient "
+            "convolutions run 7-45x slower inside the accumulation's loops over micro-batches "
+            "(lax.map, lax.scan) than outside them."
         ),
     )
 

@@ -39,6 +39,11 @@ def cpu_convolution(
       first, which is what a 1x1 window with zero padding sees.
     - A 3x3 stride-2 convolution computes its input gradient phase by phase instead of over
       a zero-dilated gradient (``_conv3x3_stride2``).
+    - The other stride-1 convolutions compute both gradients as convolutions in the forward
+      pass's layout (``_conv_stride1``), as the stride-2 one does its weight gradient.
+      XLA's own gradient convolutions contract other dimensions; outside a loop its CPU
+      backend rearranges them for Eigen, inside a loop body (exact accumulation's
+      ``lax.scan`` over micro-batches) it runs them as generic loops, 7-45x slower.
     - A 3x3 stride-1 convolution of a map of at most 2x2 pixels is one matmul
       (``_small_conv3x3``), in training and evaluation.
 
@@ -77,6 +82,11 @@ def cpu_convolution(
         return _conv3x3_stride2(lhs, rhs, precision)
     if small:
         return _small_conv3x3(lhs, rhs, precision)
+    if plain and strides == (1, 1):
+        if isinstance(pads, str):
+            pads = tuple(jax.lax.padtype_to_pads(lhs.shape[1:3], taps, strides, pads))
+        if all(0 <= p <= k - 1 for k, pair in zip(taps, pads, strict=True) for p in pair):
+            return _conv_stride1(lhs, rhs, pads, precision)
     return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, **kwargs)
 
 
@@ -110,6 +120,52 @@ def _small_conv3x3(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
     taps = jnp.concatenate([jnp.concatenate(row, axis=1) for row in blocks], axis=0)
     y = jax.lax.dot(x.reshape(n, h * wd * c), taps, precision=precision)
     return y.reshape(n, h, wd, w.shape[-1])
+
+
+def _lax_conv(x: jax.Array, w: jax.Array, strides, pads, precision: Any, **kwargs) -> jax.Array:
+    return jax.lax.conv_general_dilated(
+        x, w, strides, pads, dimension_numbers=_NHWC, precision=precision, **kwargs
+    )
+
+
+def _weight_gradient(x: jax.Array, dy: jax.Array, w: jax.Array, strides, pads, precision):
+    """The kernel gradient of ``_lax_conv(x, w, strides, pads)`` as a forward convolution:
+    the input channels as its batch, the examples as its features, the output gradient as its
+    kernel (dilated by the stride), and a slice of the kernel's taps."""
+    taps = w.shape[:2]
+    dw = _lax_conv(
+        x.transpose(3, 1, 2, 0),  # (C, H, W, N)
+        dy.transpose(1, 2, 0, 3),  # (Ho, Wo, N, K)
+        (1, 1),
+        pads,
+        precision,
+        rhs_dilation=strides,
+    )
+    return dw[:, : taps[0], : taps[1]].transpose(1, 2, 0, 3).astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _conv_stride1(x: jax.Array, w: jax.Array, pads, precision: Any) -> jax.Array:
+    """A stride-1 convolution whose gradients are convolutions in its own layout: the input
+    gradient correlates the output gradient with the flipped kernel (input and output channels
+    swapped), the weight gradient is ``_weight_gradient``. The same values as lax's; a
+    ``custom_vjp`` like ``_conv3x3_stride2``."""
+    return _lax_conv(x, w, (1, 1), pads, precision)
+
+
+def _conv_stride1_fwd(x, w, pads, precision):
+    return _conv_stride1(x, w, pads, precision), (x, w)
+
+
+def _conv_stride1_bwd(pads, precision, residuals, dy):
+    x, w = residuals
+    flipped = jnp.flip(w, (0, 1)).transpose(0, 1, 3, 2)
+    full = tuple((k - 1 - lo, k - 1 - hi) for k, (lo, hi) in zip(w.shape[:2], pads, strict=True))
+    dx = _lax_conv(dy, flipped, (1, 1), full, precision)
+    return dx.astype(x.dtype), _weight_gradient(x, dy, w, (1, 1), pads, precision)
+
+
+_conv_stride1.defvjp(_conv_stride1_fwd, _conv_stride1_bwd)
 
 
 def _lax_conv3x3_stride2(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
@@ -168,8 +224,7 @@ def _conv3x3_stride2_bwd(precision, residuals, dy):
     # (n, m, parity_h, q, parity_w, c) is dx at (2m + parity_h, 2q + parity_w); an odd input
     # size has one row or column fewer than 2 * output.
     dx = jnp.stack(rows, axis=2).reshape(n, 2 * ho, 2 * wo, c)[:, :h, :wd]
-    dw = jax.vjp(lambda w: _lax_conv3x3_stride2(x, w, precision), w)[1](dy)[0]
-    return dx.astype(x.dtype), dw
+    return dx.astype(x.dtype), _weight_gradient(x, dy, w, (2, 2), _PAD1, precision)
 
 
 _conv3x3_stride2.defvjp(_conv3x3_stride2_fwd, _conv3x3_stride2_bwd)
