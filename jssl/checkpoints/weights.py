@@ -7,8 +7,9 @@ Sources (``init.checkpoint``):
   TrainState are read (orbax partial restore), so the optimizer, the momentum encoder and
   the queue are never loaded and the optimizer config does not have to match;
 - a PyTorch ResNet file (``.torch`` from VISSL's model zoo, ``.pth``/``.pt`` from
-  torchvision or MoCo) or ViT file (timm, DINO, MoCo v3; ``model.trunk="vit_*"``): the trunk
-  comes from the file, the head stays randomly initialised.
+  torchvision or MoCo) or ViT file (timm, DINO, MoCo v3; ``model.trunk="vit_*"``), or a
+  ``.safetensors`` file of either (read without torch; what ``configs/export.py`` writes): the
+  trunk comes from the file, the head stays randomly initialised.
 
 Two users:
 
@@ -48,7 +49,7 @@ from jax.sharding import Mesh
 from jssl import methods, models, parallel
 from jssl.checkpoints import integrity
 
-TORCH_SUFFIXES = (".torch", ".pth", ".pt")
+TORCH_SUFFIXES = (".torch", ".pth", ".pt", ".safetensors")
 COLLECTIONS = ("params", "batch_stats")  # the model's variables that weights carry
 # The part of the model that must fit exactly when starting training from weights: a trunk
 # loaded with holes would silently train a half-random network. Heads may differ.
@@ -56,7 +57,7 @@ STRICT = ("trunk",)
 _VALID = (
     "Pass the workdir of a jssl training run (e.g. runs/demo, which holds "
     "checkpoints/<step>/state/), its checkpoints/ dir, one step dir checkpoints/<step>, or a "
-    "PyTorch ResNet file ending in .torch/.pth/.pt."
+    "PyTorch ResNet or ViT file ending in .torch/.pth/.pt/.safetensors."
 )
 
 Flat = dict[tuple[str, ...], Any]  # (collection, *path) -> array or shape
@@ -96,7 +97,8 @@ def load_variables(
 
     Args:
       path: a jssl workdir, its ``checkpoints`` dir, a step dir ``checkpoints/<step>``, or a
-        PyTorch ResNet file ending in .torch/.pth/.pt (trunk only, the head stays random).
+        PyTorch ResNet file ending in .torch/.pth/.pt/.safetensors (trunk only, the head
+        stays random).
         A workdir's newest checkpoint, if incomplete or corrupt, is skipped (with an error
         logged) for the newest readable one; a step dir is read as given or not at all.
       config: the run config; ``config.model`` must describe the architecture the weights
@@ -337,17 +339,19 @@ def describe_model(config: ml_collections.ConfigDict) -> str:
 
 
 def read_torch(path: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """``{"params", "batch_stats"}`` host trees imported from a PyTorch ResNet file (only
-    ``params`` from a ViT file: a ViT has no batch statistics)."""
+    """``{"params", "batch_stats"}`` host trees imported from a PyTorch ResNet or RegNet file
+    (only ``params`` from a ViT file: a ViT has no batch statistics)."""
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise WeightsError(f"PyTorch weights file {path} does not exist. {_VALID}")
     from jssl import models
-    from jssl.models import torch_import, vit_import
+    from jssl.models import regnet_import, torch_import, vit_import
 
     try:
         if models.is_vit(config.model):
             return vit_import.import_torch_vit(path, config.model)
+        if models.is_regnet(config.model):
+            return regnet_import.import_torch_regnet(path, config.model)
         return torch_import.import_torch_resnet(path, config.model)
     except ValueError as e:
         raise WeightsError(f"init.checkpoint {path}: {e}") from e

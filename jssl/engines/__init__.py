@@ -18,7 +18,7 @@ from absl import logging
 from jssl.checkpoints import source_model
 from jssl.checkpoints import workdir as workdir_lib
 
-ENGINES = ("train", "extract_features", "knn", "linear_eval")
+ENGINES = ("train", "extract_features", "knn", "linear_eval", "export")
 
 
 def exit_status(summary: dict[str, Any]) -> int:

@@ -17,8 +17,13 @@ Checkpoint layouts read by ``load_torch_state_dict``:
   ``module.backbone.``) training checkpoints; any single prefix in front of
   torchvision names is recognised.
 
-``torch`` is only needed to read the files (``torch.load(weights_only=True)``, so
-untrusted checkpoints cannot run code); the conversion itself works on numpy arrays.
+* safetensors files (``.safetensors``: jssl's own export, ``jssl.models.torch_export``, or
+  a model hub's file) holding such a state dict, read without torch.
+
+``torch`` is only needed to read the pickled files (``torch.load(weights_only=True)``, so
+untrusted checkpoints cannot run code); the conversion itself works on numpy arrays. The one
+name table, ``_torch_name`` (and ``vit_import.torch_name``), with the layout pair
+``to_flax_layout`` / ``to_torch_layout``, serves both the import here and the export.
 """
 
 from __future__ import annotations
@@ -75,6 +80,27 @@ _LEAF_NAMES = {
 }
 
 
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def to_flax_layout(value: np.ndarray) -> np.ndarray:
+    """A PyTorch array in jssl's layout: conv OIHW -> HWIO, Linear (out, in) -> (in, out)."""
+    if value.ndim == 4:
+        return value.transpose(2, 3, 1, 0)
+    if value.ndim == 2:
+        return value.T
+    return value
+
+
+def to_torch_layout(value: np.ndarray) -> np.ndarray:
+    """The inverse of ``to_flax_layout``: HWIO -> OIHW, Dense (in, out) -> (out, in)."""
+    if value.ndim == 4:
+        return value.transpose(3, 2, 0, 1)
+    if value.ndim == 2:
+        return value.T
+    return value
+
+
 def _import_torch() -> Any:
     try:
         import torch
@@ -100,26 +126,31 @@ def _unwrap(obj: Any, torch: Any, anchor: str = _ANCHOR) -> Mapping[str, Any]:
         obj = inner
     if not _is_tensor_dict(obj, torch) or not any(str(k).endswith(anchor) for k in obj):
         found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
-        if anchor == _ANCHOR:
-            expected = (
-                "a torchvision state dict (conv1.weight, layer1.0.conv1.weight, ...), a VISSL "
-                "checkpoint (classy_state_dict -> base_model -> model -> trunk with "
-                "_feature_blocks.* keys)"
-            )
-            network = "ResNet"
-        else:
-            expected = (
-                "a timm / DINO / MoCo v3 ViT state dict (cls_token, pos_embed, "
-                "patch_embed.proj.weight, blocks.0.attn.qkv.weight, ...)"
-            )
-            network = "ViT"
-        raise ValueError(
-            f"No {network} weights found (no key ending in {anchor!r}); innermost keys found: "
-            f"{_summarise(found, 12)}. Expected {expected}, or a dict under one of "
-            f"{list(_WRAPPER_KEYS)} holding such keys; model.trunk must name the network "
-            "the file holds."
-        )
+        raise _not_found(found, anchor)
     return obj
+
+
+def _not_found(found: Any, anchor: str) -> ValueError:
+    """The error for a file without the network's anchor key, listing the keys it holds."""
+    if anchor == _ANCHOR:
+        expected = (
+            "a torchvision state dict (conv1.weight, layer1.0.conv1.weight, ...), a VISSL "
+            "checkpoint (classy_state_dict -> base_model -> model -> trunk with "
+            "_feature_blocks.* keys)"
+        )
+        network = "ResNet"
+    else:
+        expected = (
+            "a timm / DINO / MoCo v3 ViT state dict (cls_token, pos_embed, "
+            "patch_embed.proj.weight, blocks.0.attn.qkv.weight, ...)"
+        )
+        network = "ViT"
+    return ValueError(
+        f"No {network} weights found (no key ending in {anchor!r}); innermost keys found: "
+        f"{_summarise(found, 12)}. Expected {expected}, or a dict under one of "
+        f"{list(_WRAPPER_KEYS)} holding such keys; model.trunk must name the network "
+        "the file holds."
+    )
 
 
 def _strip_prefix(state: Mapping[str, Any], anchor: str = _ANCHOR) -> dict[str, Any]:
@@ -148,8 +179,10 @@ def load_torch_state_dict(path: str, anchor: str = _ANCHOR) -> dict[str, np.ndar
     (``_feature_blocks.``, ``module.encoder_q.`` ...) are removed, non-tensor entries
     dropped. Loads with ``weights_only=True``: a file that pickles arbitrary objects is
     refused rather than executed. An empty, truncated or non-torch file is a ValueError
-    that says so.
+    that says so. A ``.safetensors`` file is read without torch (``_load_safetensors``).
     """
+    if path.endswith(SAFETENSORS_SUFFIX):
+        return _load_safetensors(path, anchor)
     torch = _import_torch()
     with open(path, "rb") as f:
         head = f.read(4)
@@ -182,6 +215,25 @@ def load_torch_state_dict(path: str, anchor: str = _ANCHOR) -> dict[str, np.ndar
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }
+
+
+def _load_safetensors(path: str, anchor: str) -> dict[str, np.ndarray]:
+    """A flat safetensors state dict as numpy arrays, a single prefix removed as for torch
+    files; bfloat16 tensors (no numpy type) are refused with a message saying how to widen."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        state = load_file(path)
+    except (SafetensorError, OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"{path} could not be read as a safetensors file ({type(err).__name__}: "
+            f"{str(err)[:200]}): it is truncated, damaged, or holds bfloat16 tensors (numpy has "
+            "no bfloat16; save them as float32)."
+        ) from err
+    if not any(k.endswith(anchor) for k in state):
+        raise _not_found(sorted(state), anchor)
+    return _strip_prefix(state, anchor)
 
 
 def _unreadable(path: str, err: BaseException) -> str:
@@ -302,11 +354,7 @@ def torch_resnet_to_flax(
     flat: dict[tuple[str, ...], np.ndarray] = {}
     mismatched = []
     for name, path in by_torch_name.items():
-        value = np.asarray(state_dict[name], np.float32)
-        if value.ndim == 4:
-            value = value.transpose(2, 3, 1, 0)  # OIHW -> HWIO
-        elif value.ndim == 2:
-            value = value.T  # Linear (out, in) -> Dense (in, out)
+        value = to_flax_layout(np.asarray(state_dict[name], np.float32))
         if value.shape != expected[path].shape:
             mismatched.append(
                 f"{name}: {np.shape(state_dict[name])} -> {value.shape}, "

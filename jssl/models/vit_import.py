@@ -5,7 +5,8 @@ The three publish the same state-dict layout (timm's ``VisionTransformer``, whic
 ``patch_embed.proj.{weight,bias}``, ``blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.*``
 and ``norm.*``; a classifier or projection ``head.*`` is not part of the trunk and is dropped.
 Wrappers and prefixes are removed as for ResNets (``jssl.models.torch_import``): DINO's
-``teacher`` with ``backbone.``, MoCo v3's ``state_dict`` with ``module.base_encoder.``.
+``teacher`` with ``backbone.``, MoCo v3's ``state_dict`` with ``module.base_encoder.``. A
+``.safetensors`` file (timm's hub files, jssl's export) is read without torch.
 
 Position embeddings laid out for another resolution than ``model.image_size`` (e.g. 224 px
 weights evaluated at 32 px) are resampled on import as timm does when it loads them.
@@ -24,7 +25,7 @@ from absl import logging
 from flax import traverse_util
 
 from jssl.models import build_vit
-from jssl.models.torch_import import _summarise, load_torch_state_dict
+from jssl.models.torch_import import _summarise, load_torch_state_dict, to_flax_layout
 from jssl.models.vit import resample_pos_embed
 
 ANCHOR = "blocks.0.attn.qkv.weight"
@@ -33,8 +34,9 @@ _LEAVES = {"kernel": "weight", "scale": "weight", "bias": "bias"}
 
 
 def torch_name(path: tuple[str, ...]) -> str:
-    """Flax parameter path -> timm key: ``blocks_3/fc1/kernel`` -> ``blocks.3.mlp.fc1.weight``,
-    ``patch_embed/kernel`` -> ``patch_embed.proj.weight``, ``pos_embed`` -> ``pos_embed``."""
+    """Flax parameter path -> timm key, the one name table of import and export:
+    ``blocks_3/fc1/kernel`` -> ``blocks.3.mlp.fc1.weight``, ``patch_embed/kernel`` ->
+    ``patch_embed.proj.weight``, ``pos_embed`` -> ``pos_embed``."""
     if len(path) == 1:
         return path[0]
     parts = []
@@ -45,14 +47,6 @@ def torch_name(path: tuple[str, ...]) -> str:
         )
         parts.append(name)
     return ".".join([*parts, _LEAVES[path[-1]]])
-
-
-def _to_flax(name: str, value: np.ndarray) -> np.ndarray:
-    if value.ndim == 4:
-        return value.transpose(2, 3, 1, 0)  # conv OIHW -> HWIO
-    if value.ndim == 2:
-        return value.T  # Linear (out, in) -> Dense (in, out)
-    return value
 
 
 def torch_vit_to_flax(
@@ -89,7 +83,7 @@ def torch_vit_to_flax(
         )
     flat, mismatched = {}, []
     for name, path in by_name.items():
-        value = _to_flax(name, np.asarray(state_dict[name], np.float32))
+        value = to_flax_layout(np.asarray(state_dict[name], np.float32))
         want = expected[path].shape
         if name == "pos_embed" and value.shape[-1] == want[-1] and value.shape != want:
             grid = int(round((want[1] - 1) ** 0.5))

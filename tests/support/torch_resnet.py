@@ -60,17 +60,28 @@ def _downsample(inplanes: int, out_channels: int, stride: int):
 
 
 class TorchResNet(nn.Module):
-    """torchvision's ResNet layout, every width scaled by ``width_multiplier``."""
+    """torchvision's ResNet layout, every width scaled by ``width_multiplier``; with
+    ``cifar_stem`` a 3x3 stride-1 conv1 and no max-pool (jssl's ``model.cifar_stem``); no
+    ``fc`` (an Identity) when ``num_classes`` is None, as for an exported trunk."""
 
-    def __init__(self, depth: int, width_multiplier: float = 1.0, num_classes: int = 10):
+    def __init__(
+        self,
+        depth: int,
+        width_multiplier: float = 1.0,
+        num_classes: int | None = 10,
+        cifar_stem: bool = False,
+    ):
         super().__init__()
         kind, blocks = _BLOCKS[depth]
         block = TorchBasicBlock if kind == "basic" else TorchBottleneck
         widths = [int(64 * width_multiplier * 2**i) for i in range(4)]
-        self.conv1 = nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
+        if cifar_stem:
+            self.conv1 = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
+        else:
+            self.conv1 = nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
         self.bn1 = nn.BatchNorm2d(widths[0])
         self.relu = nn.ReLU()
-        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        self.maxpool = nn.Identity() if cifar_stem else nn.MaxPool2d(3, 2, 1)
         inplanes = widths[0]
         for stage, (planes, n) in enumerate(zip(widths, blocks, strict=True)):
             layers = []
@@ -79,7 +90,7 @@ class TorchResNet(nn.Module):
                 inplanes = planes * block.expansion
             setattr(self, f"layer{stage + 1}", nn.Sequential(*layers))
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(inplanes, num_classes)
+        self.fc = nn.Identity() if num_classes is None else nn.Linear(inplanes, num_classes)
 
     def taps(self, x):
         out = {"conv1": self.conv1(x)}
