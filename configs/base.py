@@ -13,7 +13,7 @@ from jssl import data, models
 
 def get_base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.engine = "train"  # "train" | "extract_features" | "knn" | "linear_eval"
+    c.engine = "train"  # "train" | "extract_features" | "knn" | "linear_eval" | "verify"
     c.seed = 0  # model init, dropout/shuffle-BN randomness and the data order all derive from it
     c.num_epochs = 1
     c.log_every_steps = 10
@@ -138,6 +138,16 @@ def get_base_config() -> ml_collections.ConfigDict:
     # (unit "epochs" | "steps"). Every term is logged unweighted and weighted.
     c.loss.weights = ml_collections.ConfigDict()
     c.loss.ramps = ml_collections.ConfigDict()
+
+    c.verify = ml_collections.ConfigDict()
+    # engine="verify" (docs/operations.md): the first `steps` steps of this config on every
+    # device, against one device (no split state, no accumulation) and against a run
+    # checkpointed after steps // 2 and resumed.
+    c.verify.steps = 4  # >= 2
+    # The loss, and each part of the state (params, batch_stats, opt_state, ...), pass when
+    # ||difference|| <= atol + rtol * ||value of the run as given||.
+    c.verify.rtol = 1e-3
+    c.verify.atol = 1e-6
 
     c.eval_outputs = True  # per-example test-split outputs in workdir/eval/epoch_<n>/
 

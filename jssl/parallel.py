@@ -12,7 +12,7 @@ collectives.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -115,9 +115,10 @@ def _cluster_environment() -> str | None:
     return None
 
 
-def make_mesh() -> Mesh:
-    """A 1-D mesh over all devices of all processes, named ``data``."""
-    return Mesh(np.asarray(jax.devices()), (DATA_AXIS,))
+def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh named ``data`` over ``devices``, by default every device of every process
+    (the verify engine's reference passes one device)."""
+    return Mesh(np.asarray(jax.devices() if devices is None else list(devices)), (DATA_AXIS,))
 
 
 def data_sharding(mesh: Mesh) -> NamedSharding:

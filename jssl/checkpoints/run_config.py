@@ -50,6 +50,7 @@ SAFE_FIELDS = (
     "data.data_dir",  # the same dataset found at another path (a moved or staged copy)
     "compilation_cache_dir",  # where compiled steps are cached, not what they compute
     "parallel.*",  # how the state is laid out over the devices, not its values
+    "verify.*",  # engine=verify's steps and tolerances; training never reads them
 )
 
 

@@ -18,15 +18,18 @@ from absl import logging
 from jssl.checkpoints import source_model
 from jssl.checkpoints import workdir as workdir_lib
 
-ENGINES = ("train", "extract_features", "knn", "linear_eval", "export")
+ENGINES = ("train", "extract_features", "knn", "linear_eval", "verify", "export")
 
 
 def exit_status(summary: dict[str, Any]) -> int:
     """The process exit status for an engine's summary: 0 when it finished, 75
     (``preemption.PREEMPTED_EXIT_CODE``) when it stopped on SIGTERM or a first Ctrl-C after
-    saving, so that a scheduler or wrapper script knows to rerun the same command to resume."""
+    saving, so that a scheduler or wrapper script knows to rerun the same command to resume;
+    1 when a check failed (verify's ``passed`` False)."""
     from jssl.training import preemption
 
+    if summary.get("passed") is False:
+        return 1
     return preemption.PREEMPTED_EXIT_CODE if summary.get("preempted") else 0
 
 
