@@ -93,6 +93,21 @@ def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, st
     return optim.freeze_for_steps(tx, params_shape, method.frozen_params), schedule
 
 
+def make_step(config: ml_collections.ConfigDict, method, tx, schedule, mesh, state):
+    """The compiled train step of ``config`` over ``mesh`` as this engine runs it: the online
+    probe, the on-device augmentation, accumulation and ``state``'s layout over the devices."""
+    return make_train_step(
+        method,
+        tx,
+        schedule,
+        mesh,
+        probe_config=config if probe.enabled(config) else None,
+        augment=device_augment.make_batch_augment(config.data),
+        accumulation_steps=config.optim.accumulation_steps,
+        state_specs=train_state.specs_of(state),
+    )
+
+
 def run(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -133,16 +148,7 @@ def run(
         writer = summaries.create_writer(
             os.path.join(workdir, "tensorboard"), just_logging=jax.process_index() > 0
         )
-        train_step = make_train_step(
-            method,
-            tx,
-            schedule,
-            mesh,
-            probe_config=config if probe.enabled(config) else None,
-            augment=device_augment.make_batch_augment(config.data),
-            accumulation_steps=config.optim.accumulation_steps,
-            state_specs=train_state.specs_of(state),
-        )
+        train_step = make_step(config, method, tx, schedule, mesh, state)
         eval_step = monitor.make_test_step(config, method, mesh)
         forward = make_forward(method, mesh)
         summary: dict[str, Any] = {}

@@ -28,14 +28,12 @@ from absl import logging
 from jssl import data, methods, parallel
 from jssl.checkpoints import manager as checkpoint
 from jssl.checkpoints import warm_start
-from jssl.data import device_augment
 from jssl.engines import train
 from jssl.training import batches as batches_lib
 from jssl.training import probe
 from jssl.training import state as train_state
 from jssl.training.fresh import init_state
 from jssl.training.progress import Plan, Progress
-from jssl.training.step import make_train_step
 
 RESULTS_FILE = "verify.json"
 RESUME_DIR = "resumed"  # workdir/resumed/checkpoints: C's checkpoint
@@ -136,16 +134,7 @@ def _start(config: ml_collections.ConfigDict, mesh, plan: Plan):
     state = init_state(config, method, tx, mesh)
     if config.init.checkpoint:
         state = warm_start.init_train_state(config, state)
-    step = make_train_step(
-        method,
-        tx,
-        schedule,
-        mesh,
-        probe_config=config if probe.enabled(config) else None,
-        augment=device_augment.make_batch_augment(config.data),
-        accumulation_steps=config.optim.accumulation_steps,
-        state_specs=train_state.specs_of(state),
-    )
+    step = train.make_step(config, method, tx, schedule, mesh, state)
     return _Run(mesh, step, state), lambda: init_state(config, method, tx, mesh)
 
 
