@@ -28,6 +28,7 @@ LONGEST_FIRST = (
     "test_multihost_train.py",
     "test_launch.py",
     "test_package.py",
+    "test_verify.py",
 )
 
 
