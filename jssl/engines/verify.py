@@ -214,8 +214,6 @@ def expected_differences(config: ml_collections.ConfigDict, devices: int, batch_
             f"optim.accumulation_steps={micro} with batch norm: each micro-batch is normalised "
             "on its own (docs/operations.md, 'Batches larger than the devices hold')."
         )
-    if config.model.get("drop_path_rate", 0.0) > 0 and micro > 1:
-        notes.append("model.drop_path_rate > 0 with accumulation: masks are drawn per micro-batch.")
     if config.model.dtype == "bfloat16":
         notes.append(
             "model.dtype=bfloat16: bf16 rounding follows the order of the sums, which devices "

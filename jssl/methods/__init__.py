@@ -191,15 +191,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         else:
             models.check_input_size(config.model, group.size, "data.image_size")
     common.check_loss_config(config, loss_terms(config))
-    rate = config.model.get("drop_path_rate", 0.0)
-    if str(config.model.trunk).startswith("vit") and rate and config.method.name != "dino":
-        # A ViT's DropPath draws from a "dropout" rng that only DINO's student forward passes
-        # so far (jssl.methods.common.forward_crops); the other methods' recipes use none.
-        raise ValueError(
-            f"model.drop_path_rate={rate}: stochastic depth is wired into DINO's student "
-            f"only, not into method {config.method.name!r} yet; set "
-            "--config.model.drop_path_rate=0 (MoCo v3's ViT recipes use 0)."
-        )
     if hasattr(module, "check_config"):
         module.check_config(config)
 

@@ -60,7 +60,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         out, batch_stats = common.forward_crops(
-            model, params, state.batch_stats, batch["crops"], train
+            model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
         )
         views = common.split_crops(out["head"].astype(jnp.float32), 2)  # (2, n, d)
         n = views.shape[1]

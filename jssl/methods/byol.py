@@ -63,6 +63,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         return init_online_and_target(model, predictor, rng, images)
 
+    # The target network runs without stochastic depth, as DINO's teacher.
+    target_model = common.without_drop_path(model)
+
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         out, online_stats = common.forward_crops(
             model,
@@ -70,12 +73,14 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             without_predictor(state.batch_stats),
             batch["crops"],
             train,
+            rng,
+            batch.get("index"),
         )
         predictions, predictor_stats = apply_predictor(
             predictor, params, state.batch_stats, out["head"], train
         )
         target, ema_batch_stats = common.forward_crops(
-            model, state.ema_params, state.ema_batch_stats, batch["crops"], train
+            target_model, state.ema_params, state.ema_batch_stats, batch["crops"], train
         )
         n = out["head"].shape[0] // 2
         return Forward(

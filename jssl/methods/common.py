@@ -29,20 +29,72 @@ def apply_model(
     model: Any,
     params: Any,
     batch_stats: Any,
-    images: jax.Array,
+    images: jax.Array | Sequence[jax.Array],
     train: bool,
-    rng: jax.Array | None = None,
+    row_keys: jax.Array | Sequence[jax.Array] | None = None,
+    **trunk_kwargs,
 ) -> tuple[dict[str, jax.Array], Any]:
     """``(taps, new batch_stats)``: train mode normalises with batch statistics and returns
     the updated running ones; eval mode uses the running ones and returns them unchanged.
-    ``rng`` feeds the ``dropout`` stream (a ViT's stochastic depth) in train mode: the same
-    key on every replica, with the trunk's ``drop_path_axis`` set (see :func:`forward_crops`)."""
+    ``row_keys`` (one key per image row, :func:`drop_path_keys`) drive a ViT's stochastic
+    depth in train mode; ``trunk_kwargs`` (a ViT's ``mask``, ``keep``) go to the trunk."""
     variables = {"params": params, "batch_stats": batch_stats}
+    if train and row_keys is not None and uses_drop_path(model):
+        trunk_kwargs = dict(trunk_kwargs, row_keys=row_keys)
     if not train:
-        return model.apply(variables, images, train=False), batch_stats
-    rngs = {"dropout": rng} if rng is not None else None
-    out, mutated = model.apply(variables, images, train=True, mutable=["batch_stats"], rngs=rngs)
+        return model.apply(variables, images, train=False, **trunk_kwargs), batch_stats
+    out, mutated = model.apply(
+        variables, images, train=True, mutable=["batch_stats"], **trunk_kwargs
+    )
     return out, mutated.get("batch_stats", {})
+
+
+# Streams of the step key for per-example draws (example_keys): distinct draws, distinct keys.
+DROP_PATH_STREAM = 0x5D0B
+MASK_STREAM = 0x3A5C
+
+
+def example_keys(rng: jax.Array, index: jax.Array, stream: int) -> jax.Array:
+    """One key per row, ``fold_in(fold_in(rng, stream), index[i])``: a draw keyed by (seed,
+    step, example index) as the augmentations are, so an example gets the same draw on any
+    number of devices, in any micro-batch and after a resume. ``rng`` is the forward's step key
+    (the same on every replica); ``index`` is ``batch["index"]``."""
+    stream_key = jax.random.fold_in(rng, stream)
+    return jax.vmap(lambda i: jax.random.fold_in(stream_key, i))(index.astype(jnp.uint32))
+
+
+def drop_path_keys(rng: jax.Array, index: jax.Array, crops: int, first: int = 0) -> jax.Array:
+    """Stochastic depth's row keys for crops ``first .. first + crops - 1`` of the examples
+    ``index``, crop-major (row ``c * n + i``: crop c of example i, keyed by the step, the crop
+    number and the example)."""
+    base = jax.random.fold_in(rng, DROP_PATH_STREAM)
+    return jnp.concatenate([example_keys(base, index, c) for c in range(first, first + crops)])
+
+
+def view_drop_keys(
+    model: Any, rng: jax.Array, batch: dict, crop: int, train: bool
+) -> jax.Array | None:
+    """:func:`drop_path_keys` of one view (crop number ``crop``) for :func:`apply_model`, or
+    None where the model has no stochastic depth or is not training."""
+    if not (train and uses_drop_path(model)):
+        return None
+    return drop_path_keys(rng, batch["index"], 1, first=crop)
+
+
+def uses_drop_path(model: Any) -> bool:
+    """Whether ``model`` (a trunk, or a trunk with a head) has stochastic depth."""
+    trunk = getattr(model, "trunk", model)
+    return float(getattr(trunk, "drop_path_rate", 0.0) or 0.0) > 0.0
+
+
+def without_drop_path(model: Any) -> Any:
+    """``model`` with its trunk's stochastic depth off: the teacher or momentum encoder of a
+    student with drop path (DINO's ``main_dino.py`` builds the teacher without it)."""
+    if not uses_drop_path(model):
+        return model
+    if hasattr(model, "trunk"):
+        return model.clone(trunk=model.trunk.clone(drop_path_rate=0.0))
+    return model.clone(drop_path_rate=0.0)
 
 
 def mean_over_devices(tree: Any) -> Any:
@@ -88,7 +140,13 @@ def num_crops(batch: dict) -> int:
 
 
 def forward_crops(
-    model: Any, params: Any, batch_stats: Any, crops: Any, train: bool, rng: jax.Array | None = None
+    model: Any,
+    params: Any,
+    batch_stats: Any,
+    crops: Any,
+    train: bool,
+    rng: jax.Array | None = None,
+    index: jax.Array | None = None,
 ) -> tuple[dict[str, jax.Array], Any]:
     """The model on every crop: ``(taps, new batch_stats)``, taps crop-major (row c * n + i).
 
@@ -96,11 +154,9 @@ def forward_crops(
     resolution, and the head runs on all crops at once (VISSL ``multi_res_input_forward``), so
     train-mode batch norm normalises each resolution's crops together and the head's over all.
 
-    With ``rng`` (a ViT's stochastic depth, the same key on every replica) the rows go to the
-    model example-major (row i * C + c) and come back crop-major: the global batch's rows are
-    then the replicas' rows one replica after another, which is what lets DropPath's masks
-    depend on the global row alone (``VisionTransformer.drop_path_axis``), so that a run draws
-    the same masks on any number of devices.
+    With ``rng`` (the forward's step key) and ``index`` (``batch["index"]``) in train mode, a
+    trunk with stochastic depth draws each row's masks from (step, crop, example index)
+    (:func:`drop_path_keys`): the same on any number of devices and in any micro-batch.
     """
     by_size: list[list[jax.Array]] = []  # (n, crops, S, S, 3) groups, one list per size
     for group in crops:
@@ -109,26 +165,22 @@ def forward_crops(
         else:
             by_size.append([group])
     stacked = [jnp.concatenate(same, axis=1) if len(same) > 1 else same[0] for same in by_size]
-    if rng is None:
-        inputs = [jnp.swapaxes(s, 0, 1).reshape(-1, *s.shape[2:]) for s in stacked]
-    else:
-        inputs = [s.reshape(-1, *s.shape[2:]) for s in stacked]
+    inputs = [jnp.swapaxes(s, 0, 1).reshape(-1, *s.shape[2:]) for s in stacked]
+    row_keys = None
+    if train and uses_drop_path(model):
+        if rng is None or index is None:
+            raise ValueError(
+                "This network has stochastic depth (model.drop_path_rate > 0): its training "
+                "forward needs the step key and batch['index'] (forward_crops(..., rng, index))."
+            )
+        keys = drop_path_keys(rng, index, sum(s.shape[1] for s in stacked))
+        row_keys, start = [], 0
+        for s in stacked:
+            row_keys.append(keys[start : start + s.shape[0] * s.shape[1]])
+            start += s.shape[0] * s.shape[1]
+        row_keys = row_keys[0] if len(inputs) == 1 else row_keys
     x = inputs[0] if len(inputs) == 1 else inputs
-    out, new_stats = apply_model(model, params, batch_stats, x, train, rng)
-    if rng is not None:
-        n, counts = stacked[0].shape[0], [s.shape[1] for s in stacked]
-        out = {name: _crop_major(value, n, counts) for name, value in out.items()}
-    return out, new_stats
-
-
-def _crop_major(x: jax.Array, n: int, counts: list[int]) -> jax.Array:
-    """Rows example-major within each resolution's block of ``n * count`` rows, crop-major."""
-    parts, start = [], 0
-    for count in counts:
-        part = x[start : start + n * count].reshape(n, count, *x.shape[1:])
-        parts.append(jnp.swapaxes(part, 0, 1).reshape(n * count, *x.shape[1:]))
-        start += n * count
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return apply_model(model, params, batch_stats, x, train, row_keys)
 
 
 def split_crops(x: jax.Array, count: int) -> jax.Array:

@@ -114,12 +114,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     model = models.build_model(config.model, bn_axis_name=bn_axis).clone(head=head)
     # DINO builds its teacher without stochastic depth (main_dino.py: only the student gets
     # drop_path_rate), so the teacher's forward is the same network with none.
-    teacher_model = model
-    drop_path = models.is_vit(config.model) and model.trunk.drop_path_rate > 0
-    if models.is_vit(config.model):
-        teacher_model = model.clone(trunk=model.trunk.clone(drop_path_rate=0.0))
-        # The student's masks drawn per global row, the same on any number of devices.
-        model = model.clone(trunk=model.trunk.clone(drop_path_axis=DATA_AXIS))
+    teacher_model = common.without_drop_path(model)
     teacher_crops = int(mcfg.teacher_crops)
     # Without the epoch length (evaluation engines) the schedules read as finished.
     spe = steps_per_epoch or 0
@@ -158,11 +153,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         count = common.num_crops(batch)
-        # The student's drop path: one key for every replica (forward_crops lays the rows out
-        # so that each replica draws its own slice of the global batch's masks).
-        drop_rng = jax.random.fold_in(rng, 0) if train and drop_path else None
+        # The student's drop path, keyed by (step, crop, example index).
         out, batch_stats = common.forward_crops(
-            model, params, state.batch_stats, batch["crops"], train, drop_rng
+            model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
         )
         student = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, K)
         teacher_out, ema_batch_stats = common.forward_crops(

@@ -52,11 +52,13 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             method_state={"queue": queue, "queue_ptr": jnp.zeros((), jnp.int32)},
         )
 
+    key_model = common.without_drop_path(model)  # the momentum encoder: no stochastic depth
+
     def key_embeddings(state, images, rng, train):
         if train and shuffle_bn:
             images, unshuffle = _shuffle_across_devices(images, rng)
         out, ema_batch_stats = common.apply_model(
-            model, state.ema_params, state.ema_batch_stats, images, train
+            key_model, state.ema_params, state.ema_batch_stats, images, train
         )
         keys = out["head"]
         if train and shuffle_bn:
@@ -65,7 +67,10 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         view_q, view_k = common.views(batch)
-        out, batch_stats = common.apply_model(model, params, state.batch_stats, view_q, train)
+        drop_keys = common.view_drop_keys(model, rng, batch, 0, train)
+        out, batch_stats = common.apply_model(
+            model, params, state.batch_stats, view_q, train, drop_keys
+        )
         keys, ema_batch_stats = key_embeddings(state, view_k, rng, train)
         keys = jax.lax.stop_gradient(losses.l2_normalize(keys.astype(jnp.float32)))
         return Forward(

@@ -82,19 +82,27 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         return init_online_and_target(model, predictor, rng, images)
 
+    target_model = common.without_drop_path(model)  # the momentum encoder: no stochastic depth
+
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         online_params = without_predictor(params)
         online_stats = without_predictor(state.batch_stats)
         predictor_stats = {PREDICTOR: state.batch_stats[PREDICTOR]}
         ema_stats = state.ema_batch_stats
         queries, keys, first = [], [], None
-        for view in common.views(batch):  # one view at a time, as the reference's forward
-            out, online_stats = common.apply_model(model, online_params, online_stats, view, train)
+        # One view at a time, as the reference's forward.
+        for crop, view in enumerate(common.views(batch)):
+            drop_keys = common.view_drop_keys(model, rng, batch, crop, train)
+            out, online_stats = common.apply_model(
+                model, online_params, online_stats, view, train, drop_keys
+            )
             q, new_predictor_stats = apply_predictor(
                 predictor, params, predictor_stats, out["head"], train
             )
             predictor_stats = {PREDICTOR: new_predictor_stats}
-            target, ema_stats = common.apply_model(model, state.ema_params, ema_stats, view, train)
+            target, ema_stats = common.apply_model(
+                target_model, state.ema_params, ema_stats, view, train
+            )
             queries.append(q)
             keys.append(target["head"])
             first = out if first is None else first

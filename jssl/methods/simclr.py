@@ -53,7 +53,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         count = common.num_crops(batch)
         out, batch_stats = common.forward_crops(
-            model, params, state.batch_stats, batch["crops"], train
+            model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
         )
         embeddings = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, d)
         n = embeddings.shape[1]

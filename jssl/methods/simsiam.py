@@ -64,8 +64,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         model_stats = without_predictor(state.batch_stats)
         stats = {PREDICTOR: state.batch_stats[PREDICTOR]}
         outs, predictions = [], []
-        for view in common.views(batch):
-            out, model_stats = common.apply_model(model, model_params, model_stats, view, train)
+        for crop, view in enumerate(common.views(batch)):
+            drop_keys = common.view_drop_keys(model, rng, batch, crop, train)
+            out, model_stats = common.apply_model(
+                model, model_params, model_stats, view, train, drop_keys
+            )
             p, stats[PREDICTOR] = apply_predictor(predictor, params, stats, out["head"], train)
             outs.append(out)
             predictions.append(p)

@@ -123,7 +123,10 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         (images,) = common.views(batch)
         model_params = {k: v for k, v in params.items() if k != CLASSIFIERS}
-        out, batch_stats = common.apply_model(model, model_params, state.batch_stats, images, train)
+        drop_keys = common.view_drop_keys(model, rng, batch, 0, train)
+        out, batch_stats = common.apply_model(
+            model, model_params, state.batch_stats, images, train, drop_keys
+        )
         outputs = {"head": out["head"].astype(jnp.float32)}
         if taps:
             outputs.update(classifiers.apply({"params": params[CLASSIFIERS]}, out))

@@ -138,7 +138,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         count = common.num_crops(batch)
         model_params = {k: v for k, v in params.items() if k != "prototypes"}
         out, batch_stats = common.forward_crops(
-            model, model_params, state.batch_stats, batch["crops"], train
+            model, model_params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
         )
         z = losses.l2_normalize(out["head"].astype(jnp.float32))  # (C * n, d), crop-major
         scores = prototypes.apply({"params": params["prototypes"]}, z)

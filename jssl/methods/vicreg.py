@@ -50,8 +50,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         first, second = common.views(batch)
-        out, batch_stats = common.apply_model(model, params, state.batch_stats, first, train)
-        out2, batch_stats = common.apply_model(model, params, batch_stats, second, train)
+        keys = [common.view_drop_keys(model, rng, batch, crop, train) for crop in (0, 1)]
+        out, batch_stats = common.apply_model(
+            model, params, state.batch_stats, first, train, keys[0]
+        )
+        out2, batch_stats = common.apply_model(model, params, batch_stats, second, train, keys[1])
         return Forward(
             embeddings=jnp.stack([out["head"], out2["head"]]).astype(jnp.float32),  # (2, n, d)
             features=out["avgpool"],

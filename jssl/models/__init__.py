@@ -12,6 +12,9 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
   drop_path_rate      ViT stochastic depth of the last block (linear from 0 over the blocks)
   pos_embed_init      ViT position embeddings: "learned" (timm, DINO) or "sincos" (MoCo v3)
   vit_depth           ViT blocks; 0 (default) for the size's own (fewer for tests and CPU demos)
+  num_registers       ViT register tokens (Darcet et al. 2024); 0 for none
+  layerscale          ViT LayerScale's initial value (DINOv2: 1e-5); 0 for none
+  ffn                 ViT feed-forward: "mlp" (timm's GELU MLP) or "swiglu" (DINOv2's ViT-g)
   width_multiplier    scales every channel width (SimCLR's wide ResNets; 1.0 for RegNets)
   cifar_stem          3x3 stride-1 stem without max-pool, for 32px images
   zero_init_residual  zero gamma on each block's last BN (Goyal et al. 2017)
@@ -82,6 +85,9 @@ def default_config() -> ml_collections.ConfigDict:
     m.drop_path_rate = 0.0
     m.pos_embed_init = "learned"  # or "sincos": MoCo v3's fixed 2-D sin-cos values
     m.vit_depth = 0  # 0: the size's own depth (12 .. 40 blocks); fewer for tests and CPU demos
+    m.num_registers = 0  # ViT register tokens after the class token (DINOv2 with registers: 4)
+    m.layerscale = 0.0  # ViT LayerScale's initial value (DINOv2: 1e-5); 0: none
+    m.ffn = "mlp"  # ViT feed-forward: "mlp" or "swiglu" (DINOv2's ViT-g/14)
     # Trunk blocks recomputed in the backward pass (jssl.models.remat): "none" | "full" (keep
     # each block's input) | "dots" (and its matmul outputs). Same results, less memory.
     m.remat = "none"
@@ -220,6 +226,16 @@ def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
     rate = float(model_config.get("drop_path_rate", 0.0))
     if not 0.0 <= rate < 1.0:
         raise ValueError(f"model.drop_path_rate={rate} must be in [0, 1) (DINO ViT-S: 0.1).")
+    registers = int(model_config.get("num_registers", 0))
+    layerscale = float(model_config.get("layerscale", 0.0))
+    ffn = str(model_config.get("ffn", "mlp"))
+    if registers < 0 or layerscale < 0:
+        raise ValueError(
+            f"model.num_registers={registers} and model.layerscale={layerscale} must be >= 0 "
+            "(0: none; DINOv2 uses 4 registers and LayerScale 1e-5)."
+        )
+    if ffn not in ("mlp", "swiglu"):
+        raise ValueError(f"model.ffn={ffn!r}: use 'mlp' (timm's) or 'swiglu' (DINOv2's ViT-g).")
     return VisionTransformer(
         embed_dim=embed_dim,
         depth=depth,
@@ -231,6 +247,9 @@ def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
         pos_embed_init=str(model_config.get("pos_embed_init", "learned")),
         dtype=_dtype(model_config.dtype),
         remat=_remat(model_config),
+        num_registers=registers,
+        layerscale=layerscale,
+        ffn=ffn,
     )
 
 

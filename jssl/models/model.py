@@ -32,12 +32,14 @@ class TrunkAndHead(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array | Sequence[jax.Array], train: bool = True
+        self, x: jax.Array | Sequence[jax.Array], train: bool = True, **trunk_kwargs
     ) -> dict[str, jax.Array]:
+        """``trunk_kwargs`` (a ViT's ``mask``, ``keep``, ``row_keys``) go to the trunk; with a
+        list of inputs, each is a list of the same length, one entry per input."""
         if isinstance(x, (list, tuple)):
-            taps = self._multi_resolution(x, train)
+            taps = self._multi_resolution(x, train, trunk_kwargs)
         else:
-            taps = dict(self.trunk(x, train=train))
+            taps = dict(self.trunk(x, train=train, **trunk_kwargs))
         if self.head is not None:
             if self.head_input not in taps:
                 raise KeyError(
@@ -47,10 +49,20 @@ class TrunkAndHead(nn.Module):
             taps["head"] = self.head(taps[self.head_input], train=train)
         return taps
 
-    def _multi_resolution(self, inputs: Sequence[jax.Array], train: bool) -> dict[str, jax.Array]:
+    def _multi_resolution(
+        self, inputs: Sequence[jax.Array], train: bool, trunk_kwargs: dict
+    ) -> dict[str, jax.Array]:
         """The trunk on each input; the taps whose shapes agree across inputs (avgpool, not
         the spatial maps of different resolutions) concatenated along the batch."""
-        per_input = [dict(self.trunk(x, train=train)) for x in inputs]
+        for name, value in trunk_kwargs.items():
+            if not isinstance(value, (list, tuple)) or len(value) != len(inputs):
+                raise ValueError(
+                    f"{name}= must be a list with one entry per input ({len(inputs)} inputs)."
+                )
+        per_input = [
+            dict(self.trunk(x, train=train, **{k: v[i] for k, v in trunk_kwargs.items()}))
+            for i, x in enumerate(inputs)
+        ]
         return {
             name: jnp.concatenate([t[name] for t in per_input])
             for name in per_input[0]

@@ -28,6 +28,15 @@ The trunk returns named taps (N, D) for feature extraction, linear probes and he
                                    heads, kNN and the online probe read (the name is shared with
                                    the ResNet trunks' pooled output so every method and
                                    evaluator works on either trunk)
+  ``patch_tokens``                 (N, P, D): every normed patch token of the last block (the
+                                   visible ones with ``keep``), for masked-image methods
+
+What the masked-image methods need, as options of the one trunk: a learned mask token that
+replaces masked patches (``mask``: iBOT, DINOv2), only a subset of patches through the blocks
+(``keep``: MAE, MSN), register tokens (Darcet et al. 2024), LayerScale (Touvron et al. 2021,
+"Going deeper with image transformers"; DINOv2's blocks) and DINOv2's SwiGLU feed-forward.
+Stochastic depth draws each row's masks from a key given per row (``row_keys``), so a row's
+masks depend on the example, not on the device count or the micro-batch it runs in.
 """
 
 from __future__ import annotations
@@ -42,7 +51,9 @@ from jssl.models import remat as remat_lib
 
 # name -> (embed dim, depth, heads): DeiT's tiny / small / base, the sizes DINO and MoCo v3 use.
 # (width, blocks, heads, MLP width) of timm's configurations of the same names; ViT-g/14 is
-# timm's vit_giant_patch14 (Zhai et al. 2022, "Scaling Vision Transformers": MLP 6144).
+# timm's vit_giant_patch14 (Zhai et al. 2022, "Scaling Vision Transformers": MLP 6144);
+# vit_giant2 is DINOv2's ViT-g/14 (vit_giant2 in dinov2/models/vision_transformer.py: width
+# 1536, 24 heads, with model.ffn="swiglu" a 4096-wide SwiGLU).
 SIZES: dict[str, tuple[int, int, int, int]] = {
     "vit_tiny": (192, 12, 3, 768),
     "vit_small": (384, 12, 6, 1536),
@@ -50,6 +61,7 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "vit_large": (1024, 24, 16, 4096),
     "vit_huge": (1280, 32, 16, 5120),
     "vit_giant": (1408, 40, 16, 6144),
+    "vit_giant2": (1536, 40, 24, 6144),
 }
 PATCH_SIZES = (8, 14, 16, 32)
 
@@ -107,33 +119,45 @@ def sincos_pos_embed(grid: int, dim: int) -> jax.Array:
 class DropPath(nn.Module):
     """Stochastic depth (Huang et al. 2016): drops the residual branch of whole examples with
     probability ``rate`` and scales the kept ones by 1 / (1 - rate); identity when not
-    training. Draws from the ``dropout`` rng stream.
-
-    With ``axis_name`` (inside the step's shard_map, the ``dropout`` key the same on every
-    replica) the mask is drawn for the rows of every replica together, in replica order, and
-    each replica takes its own slice: a row's mask then depends on its place in the global
-    batch, not on how many devices share it, provided the rows are laid out example-major
-    (jssl.methods.common.forward_crops does so when it passes an rng)."""
+    training. Row i's mask is drawn from ``keys[i]`` (one key per row, from
+    ``jssl.methods.common.drop_path_keys``: the example's index, its crop and the step), so it
+    is the same on any number of devices and in any micro-batch."""
 
     rate: float
-    axis_name: str | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, keys: jax.Array | None = None) -> jax.Array:
         if not train or self.rate == 0.0:
             return x
+        if keys is None:
+            raise ValueError(
+                f"DropPath({self.rate}) in training needs one key per row (row_keys=...): pass "
+                "the step's key and the batch's indices to jssl.methods.common.forward_crops, "
+                "or build the network without drop path (drop_path_rate=0)."
+            )
         keep = 1.0 - self.rate
-        rows = x.shape[0]
-        key = self.make_rng("dropout")
-        if self.axis_name is None:
-            mask = jax.random.bernoulli(key, keep, (rows,))
-        else:
-            replicas = jax.lax.axis_size(self.axis_name)
-            everything = jax.random.bernoulli(key, keep, (replicas * rows,))
-            start = jax.lax.axis_index(self.axis_name) * rows
-            mask = jax.lax.dynamic_slice_in_dim(everything, start, rows)
-        mask = mask.reshape((rows,) + (1,) * (x.ndim - 1))
+        mask = jax.vmap(lambda key: jax.random.bernoulli(key, keep))(keys)
+        mask = mask.reshape((x.shape[0],) + (1,) * (x.ndim - 1))
         return jnp.where(mask, x / keep, 0.0).astype(x.dtype)
+
+
+class LayerScale(nn.Module):
+    """A learned per-channel scale of a residual branch, initialised to ``init`` (CaiT, Touvron
+    et al. 2021; DINOv2's ``ls1`` / ``ls2`` with 1e-5). Parameter ``gamma`` as timm names it."""
+
+    init: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gamma = self.param("gamma", nn.initializers.constant(self.init), (x.shape[-1],))
+        return x * gamma.astype(self.dtype)
+
+
+def swiglu_hidden(mlp_dim: int) -> int:
+    """DINOv2's ``SwiGLUFFNFused`` width: two thirds of the MLP width, rounded up to a
+    multiple of 8 (4096 for ViT-g/14's 6144)."""
+    return (int(mlp_dim * 2 / 3) + 7) // 8 * 8
 
 
 class Attention(nn.Module):
@@ -156,35 +180,47 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + drop(attn(norm1(x)))``, ``x + drop(mlp(norm2(x)))``."""
+    """Pre-norm transformer block: ``x + drop(ls1(attn(norm1(x))))``,
+    ``x + drop(ls2(ffn(norm2(x))))``; LayerScale only with ``layerscale > 0``, the feed-forward
+    timm's GELU MLP or DINOv2's SwiGLU (``w12`` then ``w3``)."""
 
     num_heads: int
     mlp_dim: int = 0  # 0: 4 x the width
     drop_path: float = 0.0
     dtype: Any = jnp.float32
-    drop_path_axis: str | None = None  # DropPath.axis_name
+    layerscale: float = 0.0  # LayerScale's initial value; 0: none
+    ffn: str = "mlp"  # or "swiglu"
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, keys: jax.Array | None = None) -> jax.Array:
         d = x.shape[-1]
         norm = lambda name: nn.LayerNorm(  # noqa: E731
             epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name=name
         )
-        drop = DropPath(self.drop_path, self.drop_path_axis)
-        x = x + drop(Attention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x)), train)
+        dense = lambda n, name: nn.Dense(  # noqa: E731
+            n, kernel_init=_trunc_normal, dtype=self.dtype, param_dtype=jnp.float32, name=name
+        )
+        scale = lambda name: (  # noqa: E731
+            LayerScale(self.layerscale, self.dtype, name=name) if self.layerscale else (lambda h: h)
+        )
+        branch_keys = [None, None]
+        if keys is not None:
+            branch_keys = [jax.vmap(lambda k, b=b: jax.random.fold_in(k, b))(keys) for b in (0, 1)]
+        drop = DropPath(self.drop_path)
+        h = Attention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x))
+        x = x + drop(scale("ls1")(h), train, branch_keys[0])
         h = norm("norm2")(x)
-        h = nn.Dense(
-            self.mlp_dim or 4 * d,
-            kernel_init=_trunc_normal,
-            dtype=self.dtype,
-            param_dtype=jnp.float32,
-            name="fc1",
-        )(h)
-        h = nn.gelu(h, approximate=False)  # torch.nn.GELU(): the exact erf form
-        h = nn.Dense(
-            d, kernel_init=_trunc_normal, dtype=self.dtype, param_dtype=jnp.float32, name="fc2"
-        )(h)
-        return x + drop(h, train)
+        width = self.mlp_dim or 4 * d
+        if self.ffn == "swiglu":
+            hidden = swiglu_hidden(width)
+            gate, value = jnp.split(dense(2 * hidden, "w12")(h), 2, axis=-1)
+            h = dense(d, "w3")(nn.silu(gate) * value)
+        elif self.ffn == "mlp":
+            h = nn.gelu(dense(width, "fc1")(h), approximate=False)  # torch.nn.GELU(): exact erf
+            h = dense(d, "fc2")(h)
+        else:
+            raise ValueError(f"model.ffn={self.ffn!r}: use 'mlp' (timm) or 'swiglu' (DINOv2).")
+        return x + drop(scale("ls2")(h), train, branch_keys[1])
 
 
 class VisionTransformer(nn.Module):
@@ -193,6 +229,13 @@ class VisionTransformer(nn.Module):
     ``image_size`` is the resolution the position embeddings are laid out for (224 for the
     published models); any other input size that the patch size divides is served by
     resampling them (``resample_pos_embed``).
+
+    Call options: ``mask`` (B, h*w) bool replaces the masked patches' embeddings by the mask
+    token before the position embeddings are added (iBOT's ``prepare_tokens``; needs
+    ``mask_token=True``); ``keep`` (B, k) int indices of the row-major patch grid sends only
+    those patches, with their position embeddings, through the blocks (MAE's
+    ``random_masking``); ``row_keys`` (B,) keys drive stochastic depth in training (required
+    when ``drop_path_rate > 0``; block l draws from ``fold_in(key, l)``, then its branch).
     """
 
     embed_dim: int = 384
@@ -202,17 +245,26 @@ class VisionTransformer(nn.Module):
     image_size: int = 224
     mlp_dim: int = 0  # 0: 4 x embed_dim
     drop_path_rate: float = 0.0  # the last block's; block i's is rate * i / (depth - 1)
-    # The step's data axis, for drop-path masks that do not depend on the device count
-    # (DropPath.axis_name); None draws each replica's masks from its own key.
-    drop_path_axis: str | None = None
     # "learned" (timm, DINO: trunc-normal init, trained) or "sincos" (MoCo v3: fixed 2-D
     # sin-cos values; the method holds them fixed through the optimizer's freeze)
     pos_embed_init: str = "learned"
     dtype: Any = jnp.float32  # computation dtype; parameters stay float32
     remat: str = "none"  # jssl.models.remat: blocks recomputed in the backward pass
+    num_registers: int = 0  # register tokens after the class token (Darcet et al. 2024)
+    layerscale: float = 0.0  # LayerScale's initial value on both branches; 0: none
+    ffn: str = "mlp"  # "mlp" (timm's GELU MLP) or "swiglu" (DINOv2's SwiGLUFFNFused)
+    mask_token: bool = False  # a learned token for masked patches (``mask=``)
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = True) -> dict[str, jax.Array]:
+    def __call__(
+        self,
+        x: jax.Array,
+        train: bool = True,
+        *,
+        mask: jax.Array | None = None,
+        keep: jax.Array | None = None,
+        row_keys: jax.Array | None = None,
+    ) -> dict[str, jax.Array]:
         p = self.patch_size
         if self.image_size % p:
             raise ValueError(f"ViT image_size {self.image_size} is not a multiple of patch {p}")
@@ -235,6 +287,17 @@ class VisionTransformer(nn.Module):
         )(x)
         b, h, w, d = x.shape
         x = x.reshape(b, h * w, d)
+        if self.mask_token:
+            token = self.param("mask_token", nn.initializers.zeros, (1, 1, d), jnp.float32)
+            if mask is not None:
+                if mask.shape != (b, h * w):
+                    raise ValueError(
+                        f"mask of shape {mask.shape} for a {h}x{w} patch grid: it must be "
+                        f"({b}, {h * w}), True where a patch is masked."
+                    )
+                x = jnp.where(mask[..., None], token.astype(x.dtype), x)
+        elif mask is not None:
+            raise ValueError("mask= needs a trunk built with mask_token=True (its learned token).")
         grid = self.image_size // p
         cls = self.param("cls_token", _trunc_normal, (1, 1, d), jnp.float32)
         if self.pos_embed_init == "sincos":
@@ -246,30 +309,51 @@ class VisionTransformer(nn.Module):
                 f"model.pos_embed_init={self.pos_embed_init!r}: use 'learned' or 'sincos'."
             )
         pos = self.param("pos_embed", pos_init, (1, 1 + grid * grid, d), jnp.float32)
-        patch_pos = resample_pos_embed(pos[:, 1:], (h, w))
-        x = jnp.concatenate(
-            [jnp.broadcast_to(cls + pos[:, :1], (b, 1, d)), x + patch_pos], axis=1
-        ).astype(self.dtype)
+        x = x + resample_pos_embed(pos[:, 1:], (h, w))
+        if keep is not None:
+            x = jnp.take_along_axis(x, keep[..., None].astype(jnp.int32), axis=1)
+        lead = [jnp.broadcast_to(cls + pos[:, :1], (b, 1, d))]
+        if self.num_registers:
+            registers = self.param(
+                "register_tokens",
+                nn.initializers.normal(1e-6),  # DINOv2's init
+                (1, self.num_registers, d),
+                jnp.float32,
+            )
+            lead.append(jnp.broadcast_to(registers, (b, self.num_registers, d)))
+        x = jnp.concatenate([*lead, x], axis=1).astype(self.dtype)
+        first_patch = 1 + self.num_registers
 
         norm = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name="norm")
         taps: dict[str, jax.Array] = {}
         block_cls = remat_lib.wrap(Block, self.remat, static_argnums=(2,))
         for i in range(self.depth):
             rate = self.drop_path_rate * i / max(self.depth - 1, 1)
+            keys = None
+            if train and rate > 0:
+                if row_keys is None:
+                    raise ValueError(
+                        f"model.drop_path_rate={self.drop_path_rate}: stochastic depth in "
+                        "training needs one key per row (row_keys=...); see "
+                        "jssl.methods.common.forward_crops."
+                    )
+                keys = jax.vmap(lambda k, i=i: jax.random.fold_in(k, i))(row_keys)
             block = block_cls(
                 self.num_heads,
                 self.mlp_dim,
                 rate,
                 self.dtype,
-                self.drop_path_axis,
+                self.layerscale,
+                self.ffn,
                 name=f"blocks_{i}",
             )
-            x = block(x, train)
+            x = block(x, train, keys)
             if i < self.depth - 1:
                 taps[f"block{i + 1}"] = norm(x[:, 0])
         x = norm(x)
         taps[f"block{self.depth}"] = x[:, 0]
-        taps["patch_avg"] = jnp.mean(x[:, 1:], axis=1)
+        taps["patch_tokens"] = x[:, first_patch:]
+        taps["patch_avg"] = jnp.mean(x[:, first_patch:], axis=1)
         last4 = [taps[f"block{i}"] for i in range(max(self.depth - 3, 1), self.depth + 1)]
         taps["concat_cls4"] = jnp.concatenate(last4, axis=-1)
         taps["cls_patch_avg"] = jnp.concatenate([x[:, 0], taps["patch_avg"]], axis=-1)

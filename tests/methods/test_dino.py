@@ -316,10 +316,8 @@ def test_vit_trains_with_the_students_drop_path(tmp_path, shared_dirs):
     images = jnp.asarray(np.random.default_rng(0).normal(size=(4, 16, 16, 3)), jnp.float32)
     variables = method.model.init(jax.random.key(0), images, train=False)
     assert "batch_stats" not in variables
-    # Outside the step's shard_map: the masks drawn from this key alone.
-    local = method.model.clone(trunk=method.model.trunk.clone(drop_path_axis=None))
-    apply = lambda key: local.apply(  # noqa: E731
-        variables, images, train=True, rngs={"dropout": jax.random.key(key)}
+    apply = lambda key: method.model.apply(  # noqa: E731
+        variables, images, train=True, row_keys=jax.random.split(jax.random.key(key), 4)
     )["avgpool"]
     assert not np.allclose(apply(1), apply(2))
 

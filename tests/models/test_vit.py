@@ -157,12 +157,105 @@ def test_position_embeddings_are_resampled_on_import(tiny224):
 def test_drop_path_drops_whole_examples():
     layer = vit.DropPath(0.5)
     x = jnp.ones((64, 3, 4))
-    y = layer.apply({}, x, train=True, rngs={"dropout": jax.random.key(0)})
+    keys = jax.random.split(jax.random.key(0), 64)
+    y = layer.apply({}, x, train=True, keys=keys)
     per_example = np.asarray(y).reshape(64, -1)
     assert set(np.unique(per_example)) == {0.0, 2.0}  # kept examples scaled by 1 / (1 - 0.5)
     assert np.all(per_example.min(1) == per_example.max(1))
     assert 16 < int((per_example[:, 0] == 0).sum()) < 48
+    # Row i's mask is its key's: the same key in another row, or another batch, gives it again.
+    again = layer.apply({}, x[:8], train=True, keys=keys[::8])
+    np.testing.assert_array_equal(np.asarray(again)[:, 0, 0], per_example[::8, 0])
     np.testing.assert_array_equal(layer.apply({}, x, train=False), x)
+    with pytest.raises(ValueError, match="needs one key per row"):
+        layer.apply({}, x, train=True)
+
+
+def test_drop_path_masks_follow_the_example_not_the_batch():
+    """Stochastic depth keyed by (step, crop, example index): an example's features are the
+    same in any batch it is part of (another device count, another micro-batch)."""
+    from jssl.methods import common
+
+    config = _model_config()
+    config.vit_depth, config.drop_path_rate = 3, 0.5
+    model = models.build_model(config)
+    images = jnp.asarray(np.random.default_rng(0).normal(size=(6, 32, 32, 3)), jnp.float32)
+    variables = model.init(jax.random.key(0), images, train=False)
+    index, step_key = jnp.arange(10, 16), jax.random.key(3)
+    crops = [images[:, None]]
+
+    def features(rows, key=step_key):
+        out, _ = common.forward_crops(
+            model, variables["params"], {}, [c[rows] for c in crops], True, key, index[rows]
+        )
+        return np.asarray(out["avgpool"])
+
+    whole = features(np.arange(6))
+    np.testing.assert_allclose(features(np.arange(3, 6)), whole[3:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(features(np.array([5, 0])), whole[[5, 0]], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(features(np.arange(6), jax.random.key(4)), whole)
+    eval_mode = model.apply(variables, images, train=False)["avgpool"]
+    assert not np.allclose(whole, eval_mode)  # the masks did drop something
+    with pytest.raises(ValueError, match="stochastic depth"):
+        common.forward_crops(model, variables["params"], {}, crops, True)
+
+
+def test_masked_and_kept_patches_registers_layerscale_swiglu():
+    """The masked-image options: ``mask`` puts the mask token in place of masked patches before
+    the position embeddings, ``keep`` sends only those patches through, registers are dropped
+    from the outputs, LayerScale starts at its init value and SwiGLU has DINOv2's width."""
+    trunk = vit.VisionTransformer(
+        embed_dim=16, depth=2, num_heads=2, patch_size=4, image_size=16, mask_token=True
+    )
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 16, 16, 3)), jnp.float32)
+    variables = trunk.init(jax.random.key(0), x, train=False)
+    params = variables["params"]
+    assert params["mask_token"].shape == (1, 1, 16)
+    out = trunk.apply(variables, x, train=False)
+    assert out["patch_tokens"].shape == (2, 16, 16)
+    # All masked with a zero token: both images give the same tokens (position embeddings only).
+    full = jnp.ones((2, 16), bool)
+    masked = trunk.apply(variables, x, train=False, mask=full)
+    np.testing.assert_allclose(masked["patch_tokens"][0], masked["patch_tokens"][1], atol=1e-6)
+    none = trunk.apply(variables, x, train=False, mask=jnp.zeros((2, 16), bool))
+    np.testing.assert_array_equal(none["avgpool"], out["avgpool"])
+    # keep: the same tokens as a trunk given only those patches' embeddings (a 1-block ViT
+    # mixes tokens through attention, so compare against the gathered input path by hand).
+    keep = jnp.asarray([[0, 5, 15], [3, 2, 1]], jnp.int32)
+    kept = trunk.apply(variables, x, train=False, keep=keep)
+    assert kept["patch_tokens"].shape == (2, 3, 16)
+    perm = trunk.apply(variables, x, train=False, keep=keep[:, ::-1])
+    # Attention without position-dependent masks is permutation-equivariant over the tokens.
+    np.testing.assert_allclose(perm["patch_tokens"], kept["patch_tokens"][:, ::-1], atol=1e-5)
+    np.testing.assert_allclose(perm["avgpool"], kept["avgpool"], atol=1e-5)
+    with pytest.raises(ValueError, match="mask_token=True"):
+        vit.VisionTransformer(embed_dim=16, depth=1, num_heads=2, patch_size=4).apply(
+            {"params": {k: v for k, v in params.items() if k != "mask_token"}},
+            x,
+            train=False,
+            mask=full,
+        )
+
+    big = vit.VisionTransformer(
+        embed_dim=24,
+        depth=1,
+        num_heads=2,
+        patch_size=4,
+        image_size=16,
+        num_registers=4,
+        layerscale=1e-5,
+        ffn="swiglu",
+        mlp_dim=96,
+    )
+    variables = big.init(jax.random.key(0), x, train=False)
+    p = variables["params"]
+    assert p["register_tokens"].shape == (1, 4, 24)
+    np.testing.assert_array_equal(p["blocks_0"]["ls1"]["gamma"], np.full(24, 1e-5, np.float32))
+    assert p["blocks_0"]["w12"]["kernel"].shape == (24, 2 * 64)  # (int(96 * 2 / 3) + 7) // 8 * 8
+    assert p["blocks_0"]["w3"]["kernel"].shape == (64, 24)
+    assert vit.swiglu_hidden(6144) == 4096
+    out = big.apply(variables, x, train=False)
+    assert out["patch_tokens"].shape == (2, 16, 24)
 
 
 def test_bf16_compute_keeps_float32_parameters(tiny224):
@@ -241,18 +334,6 @@ def test_knn_and_linear_eval_on_an_imported_vit(imported_file, tmp_path_factory,
     expected = weights.read_torch(imported_file, config)["params"]["trunk"]
     trunk = jax.device_get(summary["trunk_variables"])["params"]["trunk"]
     jax.tree.map(np.testing.assert_array_equal, trunk, expected)
-
-
-def test_drop_path_in_training_is_refused_until_wired():
-    from configs import mocov3
-    from jssl import methods
-
-    config = mocov3.get_config("")
-    config.model.drop_path_rate = 0.1
-    with pytest.raises(
-        ValueError, match=r"drop_path_rate=0.1: stochastic depth is wired into DINO.*'mocov3'"
-    ):
-        methods.check_config(config)
 
 
 def test_sincos_position_embeddings_are_moco_v3s():

@@ -28,12 +28,13 @@ STEPS = {"swav": 4, "byol": 3, "simsiam": 3, "dino": 3, "mocov3": 3, "dino_vit":
 
 
 def without_batch_norm(config):
-    """``config`` on a one-block ViT with BN-free heads and no drop path: what exact gradient
-    accumulation must reproduce to float rounding (batch norm normalises each micro-batch on
-    its own, and drop path draws per row of the micro-batch)."""
+    """``config`` on a two-block ViT with BN-free heads: what exact gradient accumulation must
+    reproduce to float rounding (batch norm normalises each micro-batch on its own). The second
+    block drops its branches at 0.5, masks keyed by example, so they must not depend on the
+    micro-batch either."""
     m = config.model
-    m.trunk, m.vit_depth, m.patch_size, m.image_size = "vit_tiny", 1, 8, 16
-    m.drop_path_rate = 0.0
+    m.trunk, m.vit_depth, m.patch_size, m.image_size = "vit_tiny", 2, 8, 16
+    m.drop_path_rate = 0.5
     if m.head_dims:  # the ViT's 192 features feed the head (DINO's head is its own)
         m.head_dims = (192, *m.head_dims[1:])
     m.head_bn = m.head_last_bn = False

@@ -64,14 +64,15 @@ PARITY = {
     "simsiam": "synchronised BN of each view's batch and the collapse monitor's statistics over "
     "the global batch",
     "dino": "the centre, a mean over the global batch, and the teacher's SyncBN statistics",
-    "dino_vit": "the student's drop-path masks, drawn per row of the global batch (each "
-    "device's own key gave other masks on 4 devices than on 1)",
+    "dino_vit": "the student's drop-path masks, keyed by the step, the crop and the example "
+    "(each device's own key gave other masks on 4 devices than on 1)",
     "moco_larc": "LARC's trust ratios, norms of whole parameters that the split state holds "
     "in parts",
     # Exact accumulation (ACCUMULATE micro-batches per device on 4 devices against one pass
     # on 1): the objective and its gradient over the embeddings of every micro-batch of every
     # device, once per step (jssl/training/accumulation.py), on a BN-free ViT.
-    "simclr_accum": "negatives from every micro-batch of every device",
+    "simclr_accum": "negatives from every micro-batch of every device, and drop-path masks "
+    "keyed by example whatever micro-batch it lands in",
     "dino_accum": "the centre and the teacher's targets over every micro-batch of every device",
 }
 # Slow tier (JSSL_SLOW_TESTS=1), with the CI row that holds what each adds: DINO on the ResNet
