@@ -78,6 +78,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # matching prefix wins, e.g. "(('head', 10.0),)"; "constant": multiplier x the peak rate at
     # every step (SimSiam's fixed predictor rate). () = one group at the schedule.
     o.param_groups = ()
+    o.layer_decay = 1.0  # ViT: block i of L at this ** (L + 1 - i) x the rate (MAE); 1.0 = off
     o.grad_clip_per_parameter = 0.0  # >0: each parameter's gradient norm clipped (DINO clip_grad)
     # >1: each device's share of data.batch_size in this many micro-batches, the loss and its
     # gradient still exactly the method's over the whole batch (jssl.training.accumulation;

@@ -9,6 +9,9 @@ configs/config/benchmark/semi_supervised/imagenet1k/eval_resnet_8gpu_transfer_in
   python launch.py --config=configs/supervised.py:demo --workdir=runs/supervised_demo  # CPU
   python launch.py --config=configs/supervised.py:finetune_demo --workdir=runs/ft_demo \
       --config.init.checkpoint=runs/simclr_demo             # a demo SSL run, 10% of the labels
+  python launch.py --config=configs/supervised.py:finetune_vit --workdir=runs/ft_vit \
+      --config.init.checkpoint=runs/dino_vit_base \
+      --config.data.data_dir=<TFDS dir>                     # MAE's ViT-B/16 fine-tuning recipe
 
 Presets: "" / "imagenet" (VISSL's supervised ResNet-50 recipe), "finetune_full" (a pre-trained
 trunk fine-tuned on all of ImageNet's labels, VISSL's fulltune benchmark with the head at weight
@@ -17,7 +20,10 @@ decay 1e-6 and the trunk at 1e-4), "finetune_1pct" /
 ``imagenet2012_subset/1pct`` / ``10pct``, tested on the full validation set), "demo" (small
 ResNet-18 on the built-in demo data; prints test top-1 and the kNN of learned vs random-init
 features), "finetune_demo" (a demo workdir's trunk fine-tuned on 10% of the demo labels),
-"test" (tiny). Each test phase reports ``top1`` / ``top5`` (%) over the whole test split.
+"finetune_vit" (a pre-trained ViT-B/16 fine-tuned end to end on ImageNet with MAE's recipe:
+AdamW, layer-wise learning-rate decay, mixup, CutMix, label smoothing, drop path; see
+``_finetune_vit``), "test" (tiny). Each test phase reports ``top1`` / ``top5`` (%) over the
+whole test split.
 
 Per-layer learning rates and weight decay: ``optim.param_groups`` (VISSL's
 ``head_optimizer_params`` + ``param_schedulers.lr_head``); the fine-tuning presets name the
@@ -42,6 +48,7 @@ PRESETS = (
     "finetune_10pct",
     "demo",
     "finetune_demo",
+    "finetune_vit",
     "test",
 )
 
@@ -60,6 +67,16 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     m.tap_classifiers = ()
     # True: refuse to start without init.checkpoint (the fine-tuning presets).
     m.require_init_checkpoint = False
+    # Mixup / CutMix of adjacent training examples (timm's Mixup; jssl.losses.mixing), trained
+    # with the soft-target cross-entropy, label_smoothing applied to the mixed targets. Alphas
+    # 0 = off; MAE's ViT fine-tuning: 0.8, 1.0, mix_prob 1.0, switch_prob 0.5.
+    m.mixup_alpha = 0.0
+    m.cutmix_alpha = 0.0
+    m.mix_prob = 1.0  # probability that a pair is mixed at all
+    m.switch_prob = 0.5  # CutMix rather than mixup, when both are on
+    # The tap the classifier reads: "avgpool" (ResNet: pooled features; ViT: the class token)
+    # or, on a ViT, "patch_avg" (the mean of the patch tokens: MAE's global_pool).
+    m.head_input = "avgpool"
 
     # TRUNK resnet DEPTH 50 (ZERO_INIT_RESIDUAL False); HEAD mlp dims [2048, 1000], one linear
     # layer giving the class logits; no SyncBN.
@@ -126,6 +143,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             c.test_every_epochs = 1
     elif preset == "finetune_demo":
         _finetune_demo(c)
+    elif preset == "finetune_vit":
+        _finetune_vit(c)
     else:
         raise ValueError(
             f"Unknown preset {preset!r} of configs/supervised.py: use one of "
@@ -238,3 +257,74 @@ def _finetune_demo(c: ml_collections.ConfigDict) -> None:
     o.base_lr = 0.2
     o.weight_decay = 0.0
     o.param_groups = (("head", 1.0),)
+
+
+def _finetune_vit(c: ml_collections.ConfigDict) -> None:
+    """MAE's end-to-end fine-tuning of a pre-trained ViT-B/16 on ImageNet (FINETUNE.md's
+    ViT-Base command with main_finetune.py's defaults; He et al. 2022, App. A.3, Table 9): batch
+    1024, AdamW (0.9, 0.999) at 5e-4 x batch / 256 with layer-wise decay 0.65, a 5-epoch warmup
+    then a cosine to 1e-6, weight decay 0.05 (none on biases, norms, the position embeddings
+    and the class token), 100 epochs, drop path 0.1, label smoothing 0.1, mixup 0.8, CutMix
+    1.0, RandAugment (9, 0.5), random erasing 0.25, the classifier on the average of the patch
+    tokens (``global_pool``; ``--config.method.head_input=avgpool`` is ``--cls_token``), a fresh
+    classifier, tested on the validation set after each epoch.
+
+    Any jssl ViT workdir is a starting point (DINO's, MoCo v3's, MAE's): the trunk must fit,
+    so give the ``model.*`` fields it was trained with (its config.json; the start-up error
+    names the first that differs) and the classifier's input width, e.g.
+    ``--config.model.trunk=vit_small --config.model.head_dims='(384, 1000)'`` for DINO's
+    ViT-S/16. MAE's ViT-L/16 recipe: layer_decay 0.75, base_lr 1e-3, drop path 0.2, 50 epochs."""
+    c.method.require_init_checkpoint = True
+    c.init.skip = ("head",)
+    m = c.method
+    m.head_input = "patch_avg"  # main_finetune.py: global_pool True by default
+    m.label_smoothing = 0.1  # --smoothing
+    m.mixup_alpha = 0.8  # --mixup
+    m.cutmix_alpha = 1.0  # --cutmix
+    m.mix_prob = 1.0  # --mixup_prob
+    m.switch_prob = 0.5  # --mixup_switch_prob
+    c.model.trunk = "vit_base"  # vit_base_patch16
+    c.model.patch_size = 16
+    c.model.image_size = 224
+    c.model.vit_depth = 0
+    c.model.head_dims = (768, 1000)
+    c.model.drop_path_rate = 0.1  # --drop_path
+    c.model.dtype = "bfloat16"  # torch.cuda.amp in MAE's runs
+    c.data.test_split = "validation"
+    c.data.batch_size = 1024  # 32 per GPU x 32 GPUs (or x 8 with accum_iter 4)
+    # timm's create_transform for training: RandomResizedCrop 224 (scale 0.08-1), flip,
+    # RandAugment rand-m9-mstd0.5-inc1, no colour jitter, random erasing 0.25 ("pixel" mode).
+    a = c.data.augment
+    a.crop_scale = (0.08, 1.0)
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.0,)
+    a.grayscale_prob = (0.0,)
+    a.blur_prob = (0.0,)
+    a.solarize_prob = (0.0,)
+    a.randaugment_ops = 2  # rand-m9-mstd0.5: two ops, magnitude 9 with noise of std 0.5
+    a.randaugment_magnitude = 9.0
+    a.randaugment_magnitude_std = 0.5
+    a.random_erasing_prob = 0.25  # --reprob 0.25 --remode pixel --recount 1
+    o = c.optim
+    o.name = "adamw"
+    o.betas = (0.9, 0.999)
+    o.base_lr = 5e-4  # --blr
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.schedule = "cosine"  # util/lr_sched.py: half-cycle cosine after the warmup, per step
+    o.update_interval = "step"
+    o.warmup_epochs = 5.0
+    o.warmup_start_lr = 0.0
+    o.final_lr_fraction = 1e-6 / (5e-4 * 1024 / 256)  # --min_lr over the peak at batch 1024
+    o.weight_decay = 0.05
+    o.regularize_bn = False  # util/lr_decay.py: no decay on 1-D parameters
+    o.regularize_bias = False
+    o.layer_decay = 0.65  # --layer_decay (ViT-B)
+    # models_vit.py's no_weight_decay(): the position embeddings and the class token.
+    o.param_groups = (("trunk/pos_embed", 1.0, 0.0), ("trunk/cls_token", 1.0, 0.0))
+    o.grad_clip_norm = 0.0  # --clip_grad None
+    c.num_epochs = 100
+    c.test_every_epochs = 1
+    c.checkpoint.every_steps = 1251  # every epoch at batch 1024
+    c.log_every_steps = 20  # print_freq
+    c.seed = 0

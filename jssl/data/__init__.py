@@ -81,4 +81,8 @@ def default_config() -> ml_collections.ConfigDict:
     a.mean = (0.485, 0.456, 0.406)
     a.std = (0.229, 0.224, 0.225)
     a.on_device = False  # True: host crops + flips (uint8), the step does the rest (device_augment)
+    a.randaugment_ops = 0  # RandAugment ops per image after the flip (randaugment.py); 0 = off
+    a.randaugment_magnitude = 9.0  # timm's 0..10 scale ("rand-m9"), used when randaugment_ops > 0
+    a.randaugment_magnitude_std = 0.5  # per-op Gaussian noise on the magnitude ("mstd0.5")
+    a.random_erasing_prob = 0.0  # timm RandomErasing after normalisation, pixel noise; 0 = off
     return d

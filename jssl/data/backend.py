@@ -87,9 +87,10 @@ def require_tensorflow(data_config) -> None:
 
 def views_on_device(data_config) -> bool:
     """Whether the train step makes the photometric half of the views (colour, grey, blur,
-    solarise) from the host's uint8 crops and seeds: with data.augment.on_device, and with the
-    numpy pipeline whenever a crop group needs more than crop and flip. Never raises for a
-    source that needs TensorFlow: the step of a benchmark on synthetic batches builds without."""
+    solarise, RandAugment, random erasing) from the host's uint8 crops and seeds: with
+    data.augment.on_device, and with the numpy pipeline whenever a crop group needs more than
+    crop and flip. Never raises for a source that needs TensorFlow: the step of a benchmark on
+    synthetic batches builds without."""
     if data_config.augment.get("on_device", False):
         return True
     wanted = data_config.get("loader", "auto")

@@ -15,6 +15,9 @@ Config (``data.augment``), each per-group field given once for every group or on
   flip_prob, color_jitter_prob, grayscale_prob, blur_prob, solarize_prob
                     tuples: one value for every group, or one per group (a command-line
                     scalar, ``--config.data.augment.blur_prob=0.2``, is a 1-tuple)
+  randaugment_ops, randaugment_magnitude, randaugment_magnitude_std, random_erasing_prob
+                    scalars for every group: the ViT fine-tuning recipes' RandAugment and
+                    random erasing (jssl.data.randaugment), off by default
 
 The batch carries one array per group, ``batch["crops"][g]`` of shape (N, num_crops[g],
 S_g, S_g, 3); crop j of example i is a function of (seed, epoch, dataset index, crop number),
@@ -24,7 +27,9 @@ example stay aligned across groups and are the same on any number of processes.
 The tf.data ops that make the crops are in jssl.data.transforms (``make_crops``, and
 ``host_crops`` where the train step makes the photometric half: jssl.data.device_augment).
 This module imports no other module of jssl.data and no TensorFlow: the crop groups are also
-read by the train step, the methods and the numpy pipeline, which run without TensorFlow.
+read by the train step, the methods and the numpy pipeline, which run without TensorFlow. It
+also holds what the tf.data ops and their on-device twins share (blur_radius, RandAugment's op
+list, random erasing's ranges), so that the two sides read one set of numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +38,39 @@ import math
 from typing import NamedTuple
 
 PROB_FIELDS = ("flip_prob", "color_jitter_prob", "grayscale_prob", "blur_prob", "solarize_prob")
+
+# RandAugment (Cubuk et al. 2020) as timm's rand_augment_transform builds "rand-m9-mstd0.5-inc1"
+# (timm/data/auto_augment.py, _RAND_INCREASING_TRANSFORMS, in its order): each layer picks one
+# op uniformly (with replacement), applies it with probability 0.5, at a magnitude drawn from
+# N(m, std) clipped to [0, 10].
+RANDAUGMENT_OPS = (
+    "auto_contrast",
+    "equalize",
+    "invert",
+    "rotate",
+    "posterize",  # PosterizeIncreasing
+    "solarize",  # SolarizeIncreasing
+    "solarize_add",
+    "color",  # ColorIncreasing, and so on for the three enhancements below
+    "contrast",
+    "brightness",
+    "sharpness",
+    "shear_x",
+    "shear_y",
+    "translate_x",  # TranslateXRel
+    "translate_y",  # TranslateYRel
+)
+RANDAUGMENT_OP_PROB = 0.5  # timm rand_augment_transform's default p
+RANDAUGMENT_MAX_MAGNITUDE = 10.0  # timm _LEVEL_DENOM: magnitudes are clipped to [0, 10]
+# Random erasing (Zhong et al. 2020; timm/data/random_erasing.py, mode "pixel", one box): the
+# box's area fraction, its aspect ratio (log-uniform) and the boxes tried before giving up.
+ERASING_AREA = (0.02, 1 / 3)
+ERASING_ASPECT = (0.3, 1 / 0.3)
+ERASING_ATTEMPTS = 10
+# Their draws come from the view's colour sub-seed folded with these (transforms.view_seeds'
+# split is untouched, so switching them on leaves every other draw of the view as it was).
+RANDAUGMENT_STREAM = 0x52414E44
+ERASING_STREAM = 0x45524153
 
 
 class CropGroup(NamedTuple):
@@ -44,6 +82,11 @@ class CropGroup(NamedTuple):
     grayscale_prob: float
     blur_prob: float
     solarize_prob: float
+    # The fine-tuning augmentations, the same for every group (data.augment scalars).
+    randaugment_ops: int = 0
+    randaugment_magnitude: float = 9.0
+    randaugment_magnitude_std: float = 0.5
+    random_erasing_prob: float = 0.0
 
 
 def _per_group(value, num_groups: int, field: str, example: str) -> list:
@@ -80,6 +123,41 @@ def _scales(scale, num_groups: int) -> list[tuple[float, float]]:
     return out
 
 
+def _finetune_fields(augment) -> dict:
+    """data.augment's RandAugment and random erasing fields, validated (errors name the field;
+    a config without them has them off)."""
+    ops = augment.get("randaugment_ops", 0)
+    if isinstance(ops, bool) or not isinstance(ops, int) or ops < 0:
+        raise ValueError(
+            f"data.augment.randaugment_ops={ops!r} must be an integer >= 0: the RandAugment ops "
+            "applied per image, 0 for none, 2 in the ViT fine-tuning recipes."
+        )
+    magnitude = float(augment.get("randaugment_magnitude", 9.0))
+    if not 0.0 <= magnitude <= RANDAUGMENT_MAX_MAGNITUDE:
+        raise ValueError(
+            f"data.augment.randaugment_magnitude={magnitude} must lie in [0, 10] (timm's scale, "
+            "where 10 is the strongest; the ViT fine-tuning recipes use 9)."
+        )
+    std = float(augment.get("randaugment_magnitude_std", 0.5))
+    if not 0.0 <= std < math.inf:
+        raise ValueError(
+            f"data.augment.randaugment_magnitude_std={std} must be finite and >= 0: the std of "
+            "the per-op Gaussian noise on the magnitude, 0 for none, 0.5 in the recipes."
+        )
+    erasing = float(augment.get("random_erasing_prob", 0.0))
+    if not 0.0 <= erasing <= 1.0:
+        raise ValueError(
+            f"data.augment.random_erasing_prob={erasing} is a probability in [0, 1] "
+            "(0 for no random erasing, 0.25 in the ViT fine-tuning recipes)."
+        )
+    return dict(
+        randaugment_ops=ops,
+        randaugment_magnitude=magnitude,
+        randaugment_magnitude_std=std,
+        random_erasing_prob=erasing,
+    )
+
+
 def crop_groups(data_config) -> list[CropGroup]:
     """The crop groups of ``data_config.augment``, validated (errors name the field)."""
     augment = data_config.augment
@@ -103,12 +181,14 @@ def crop_groups(data_config) -> list[CropGroup]:
                 f"data.augment.{field}={getattr(augment, field)}: probabilities lie in [0, 1]."
             )
         probs[field] = [float(p) for p in values]
+    finetune = _finetune_fields(augment)
     return [
         CropGroup(
             int(num_crops[g]),
             int(sizes[g]),
             scales[g],
             **{field: probs[field][g] for field in PROB_FIELDS},
+            **finetune,
         )
         for g in range(groups)
     ]
@@ -119,9 +199,16 @@ def total_crops(data_config) -> int:
 
 
 def photometric(group: CropGroup) -> bool:
-    """Whether ``group``'s views need more than crop and flip (colour, grey, blur, solarise)."""
+    """Whether ``group``'s views need more than crop and flip (colour, grey, blur, solarise,
+    RandAugment, random erasing)."""
     probs = (group.color_jitter_prob, group.grayscale_prob, group.blur_prob, group.solarize_prob)
-    return any(p > 0 for p in probs)
+    return any(p > 0 for p in probs) or group.randaugment_ops > 0 or group.random_erasing_prob > 0
+
+
+def fill_color(mean) -> tuple[float, float, float]:
+    """RandAugment's fill for the pixels a rotation, shear or translation uncovers: the dataset
+    mean rounded to a grey level, as timm's ``img_mean`` hparam (transforms_factory.py)."""
+    return tuple(min(255, round(255 * float(m))) / 255 for m in mean)
 
 
 def blur_radius(side: int) -> int:

@@ -5,9 +5,11 @@ jssl.data.backend.views_on_device) the host pipeline makes only each view's crop
 uint8 (jssl.data.transforms.host_crops), and hands over the view's colour, blur and solarize
 sub-seeds (jssl.data.transforms.view_seeds, the same (seed, epoch, index, crop) key as the host
 path). Here, per crop and per crop group, the rest of jssl.data.transforms.ssl_view runs in
-float32 on the devices: colour distortion (torchvision ColorJitter in a random order, then
-RandomGrayscale), Gaussian blur, solarisation, normalisation (VISSL ImgPilColorDistortion,
-ImgPilGaussianBlur, ImgPilRandomSolarize, Normalize).
+float32 on the devices: RandAugment where the group has it, colour distortion (torchvision
+ColorJitter in a random order, then RandomGrayscale), Gaussian blur, solarisation,
+normalisation (VISSL ImgPilColorDistortion, ImgPilGaussianBlur, ImgPilRandomSolarize,
+Normalize), then random erasing where the group has it (jssl.data.randaugment_device, their keys
+folded from the colour key as the host folds its colour sub-seed).
 
 Each op is the twin of its host op (tests/data/test_device_augment.py checks them equal given
 the same parameters). The random draws are JAX's (threefry keyed by the host's sub-seeds), not
@@ -25,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jssl.data import backend
+from jssl.data import backend, randaugment_device
 from jssl.data import crops as crops_lib
 from jssl.data.crops import blur_radius
 
@@ -119,6 +121,9 @@ class ViewParams(NamedTuple):
     blur: jax.Array  # bool
     sigma: jax.Array  # float32, pixels
     solarize: jax.Array  # bool
+    # Only where the group has them (None otherwise, an empty pytree under vmap).
+    randaugment: randaugment_device.Layers | None = None
+    erasing: randaugment_device.Erasing | None = None
 
 
 def _coin(key: jax.Array, prob: float) -> tuple[jax.Array, jax.Array]:
@@ -150,7 +155,22 @@ def sample_params(keys: jax.Array, group: crops_lib.CropGroup, augment) -> ViewP
     low, high = augment.blur_sigma
     sigma = jax.random.uniform(sigma_key, (), jnp.float32, low, high)
     solarized, _ = _coin(solar_key, group.solarize_prob)
-    return ViewParams(jitter, order, factors, gray, blurred, sigma, solarized)
+    layers = erasing = None
+    if group.randaugment_ops > 0:
+        layers = randaugment_device.sample_layers(
+            jax.random.fold_in(color_key, crops_lib.RANDAUGMENT_STREAM),
+            group.randaugment_ops,
+            group.randaugment_magnitude,
+            group.randaugment_magnitude_std,
+        )
+    if group.random_erasing_prob > 0:
+        erasing = randaugment_device.sample_erasing(
+            jax.random.fold_in(color_key, crops_lib.ERASING_STREAM),
+            group.size,
+            group.size,
+            group.random_erasing_prob,
+        )
+    return ViewParams(jitter, order, factors, gray, blurred, sigma, solarized, layers, erasing)
 
 
 def _blend_op(image: jax.Array, op: jax.Array, factor: jax.Array) -> jax.Array:
@@ -182,6 +202,9 @@ def color_jitter(image: jax.Array, order: jax.Array, factors: jax.Array) -> jax.
 def apply_params(image: jax.Array, params: ViewParams, group, augment) -> jax.Array:
     """A float (S, S, 3) crop in [0, 1] -> the normalised view. An op whose probability is 0
     for the group is left out of the program (the host's random_apply skips it too)."""
+    if group.randaugment_ops > 0:
+        fill = crops_lib.fill_color(augment.mean)
+        image = randaugment_device.apply_layers(image, params.randaugment, fill)
     if group.color_jitter_prob > 0:
         jittered = color_jitter(image, params.order, params.factors)
         image = jnp.where(params.jitter, jittered, image)
@@ -191,7 +214,10 @@ def apply_params(image: jax.Array, params: ViewParams, group, augment) -> jax.Ar
         image = jnp.where(params.blur, blur(image, params.sigma), image)
     if group.solarize_prob > 0:
         image = jnp.where(params.solarize, solarize(image), image)
-    return normalize(image, augment.mean, augment.std)
+    image = normalize(image, augment.mean, augment.std)
+    if group.random_erasing_prob > 0:
+        image = randaugment_device.erase(image, params.erasing)
+    return image
 
 
 def seeds_to_keys(seeds: jax.Array) -> jax.Array:

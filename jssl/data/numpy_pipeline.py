@@ -7,9 +7,10 @@ order (jssl.data.order: a seeded permutation per epoch, this process's rows of e
 batch), so a run resumes and shards the same way.
 
 The host makes only each crop's box, resize and flip, as uint8, and hands the train step the
-crop's colour, blur and solarise seeds (jssl.data.device_augment), as data.augment.on_device
-does on tf.data. Where no crop group needs more than crop and flip (the linear heads' training
-images) the host finishes the views itself: float32, normalised. A crop's randomness is a
+crop's colour, blur and solarise seeds (jssl.data.device_augment; the colour seed also keys
+RandAugment and random erasing), as data.augment.on_device does on tf.data. Where no crop group
+needs more than crop and flip (the linear heads' training images) the host finishes the views
+itself: float32, normalised. A crop's randomness is a
 function of (seed, epoch, dataset index, crop number) alone, so the views are the same on any
 number of processes and after a resume; the draws are numpy's, so they follow the tf.data
 pipeline's distributions (the crop box is tf.image.sample_distorted_bounding_box's algorithm,

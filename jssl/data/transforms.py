@@ -7,7 +7,10 @@ VISSL's SimCLR/MoCo-v2 pipeline (RandomResizedCrop, RandomHorizontalFlip, ImgPil
 ImgPilGaussianBlur, ImgPilRandomSolarize, ToTensor, Normalize; vissl/configs/config/pretrain/simclr
 and vissl/data/ssl_transforms/img_pil_*.py), and `eval_image` is the usual resize + centre crop.
 `make_crops` makes one example's crops of every crop group (jssl.data.crops), and `host_crops`
-only their crop and flip where the train step makes the rest (jssl.data.device_augment).
+only their crop and flip where the train step makes the rest (jssl.data.device_augment). A
+group with RandAugment or random erasing (the ViT fine-tuning recipes, jssl.data.randaugment)
+gets RandAugment after the flip and random erasing after the normalisation, as timm's
+transforms_imagenet_train orders them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from jssl.data import crops, randaugment
 from jssl.data.crops import CropGroup, blur_radius
 
 Seed = tf.Tensor  # shape (2,), int32 or int64
@@ -222,11 +226,16 @@ def ssl_view(image: tf.Tensor, seed: Seed, group, augment) -> tf.Tensor:
     `group` (a jssl.data.crops.CropGroup) gives the crop's size, scale range and the
     probability of each random transform; `augment` (the data.augment ConfigDict) the rest:
     crop_ratio, color_strength, blur_sigma, mean and std. Each transform gets its own
-    sub-seed, so changing one probability does not reshuffle the randomness of the others.
+    sub-seed, so changing one probability does not reshuffle the randomness of the others;
+    RandAugment and random erasing fold theirs from the colour sub-seed (crops'
+    RANDAUGMENT_STREAM, ERASING_STREAM), which leaves the other draws as they were.
     """
     crop_s, flip_s, color_s, blur_s, solar_s = view_seeds(seed)
     image = random_resized_crop(image, crop_s, group.size, group.scale, augment.crop_ratio)
     image = random_flip(image, flip_s, group.flip_prob)
+    if group.randaugment_ops > 0:
+        ra_seed = randaugment.stream_seed(color_s, crops.RANDAUGMENT_STREAM)
+        image = randaugment.rand_augment(image, ra_seed, group, crops.fill_color(augment.mean))
     image = color_distortion(
         image, color_s, augment.color_strength, group.color_jitter_prob, group.grayscale_prob
     )
@@ -234,7 +243,11 @@ def ssl_view(image: tf.Tensor, seed: Seed, group, augment) -> tf.Tensor:
         lambda x, sd: gaussian_blur(x, sd, augment.blur_sigma), group.blur_prob, image, blur_s
     )
     image = random_apply(lambda x, _: solarize(x), group.solarize_prob, image, solar_s)
-    return normalize(image, augment.mean, augment.std)
+    image = normalize(image, augment.mean, augment.std)
+    if group.random_erasing_prob > 0:
+        erasing_seed = randaugment.stream_seed(color_s, crops.ERASING_STREAM)
+        image = randaugment.random_erasing(image, erasing_seed, group.random_erasing_prob)
+    return image
 
 
 def eval_image(image: tf.Tensor, size: int, mean: Sequence[float], std: Sequence[float]):
@@ -293,8 +306,8 @@ def host_crops(
     group a (num_crops, S, S, 3) uint8 tensor and a (num_crops, 3, 2) uint32 tensor: each
     crop's colour, blur and solarize sub-seeds (view_seeds, the host path's; the
     low 32 bits of each int64 half), which jssl.data.device_augment turns into the JAX keys
-    of the rest of the view. The crop box, resize and flip are make_crops's; the crop is then
-    rounded to uint8.
+    of the rest of the view (the colour key also keys RandAugment and random erasing). The
+    crop box, resize and flip are make_crops's; the crop is then rounded to uint8.
     """
     seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
     out_crops, out_seeds, c = [], [], 0

@@ -18,6 +18,19 @@ per training batch and, in the test phase, counted per example over the real row
 test split (``test/top1``, ``test/top5``), as VISSL's meters count the test set. No momentum
 encoder, no state to update.
 
+Fine-tuning a ViT (MAE's ``main_finetune.py``; the ``finetune_vit`` preset of
+configs/supervised.py): mixup and CutMix with label smoothing (``method.mixup_alpha``,
+``cutmix_alpha``, ``mix_prob``, ``switch_prob``; timm's ``Mixup``, jssl.losses.mixing, where the
+pairing and the draws are described), trained with the soft-target cross-entropy of the mixed
+targets. Adjacent examples (2j, 2j + 1) are partners and each pair's draw is keyed by the step
+and the dataset index of example 2j (``common.example_keys``), so the mixes do not depend on the
+device count; the local batch (each micro-batch) must be even. While the images are mixed, the
+training top-1 / top-5 count hits against each example's dominant label (the one with the
+larger share of its target; timm's train loop reports none); the test phase never mixes. The
+head reads ``method.head_input``: ``avgpool`` (the ViT's normed class token, MAE's
+``--cls_token``) or ``patch_avg`` (the mean of its normed patch tokens, MAE's ``global_pool``).
+Layer-wise learning-rate decay is the optimizer's (``optim.layer_decay``, jssl.optim.groups).
+
 Several outputs (VISSL's multiple-output loss, a list of heads against the same target):
 ``method.tap_classifiers`` names trunk taps (``('res4', 'res5')`` on a ResNet, ``('block11',)``
 on a ViT), each with its own linear classifier (``params["tap_classifiers"][tap]``; a spatial
@@ -39,6 +52,14 @@ Deliberate differences from VISSL:
   list of heads ``MODEL.HEAD.PARAMS`` builds (its ``EnsembleOutput`` is not offered).
 - A weight field per output exists where the config declared it (``base.loss_terms`` after
   ``method.tap_classifiers``); taps added on the command line weigh 1, as in VISSL.
+
+Deliberate differences from MAE's fine-tuning (beyond jssl.losses.mixing's from timm):
+- ``patch_avg`` averages the patch tokens after the pre-trained final LayerNorm; MAE's
+  ``global_pool`` drops that norm and applies a fresh one (``fc_norm``) to their average.
+- The head is a Linear layer at PyTorch's default init; MAE draws its weight from a normal of
+  std 2e-5 (``trunc_normal_(model.head.weight, std=2e-5)``).
+- The test loss is the training criterion on unmixed images (label smoothing included); MAE's
+  evaluation reports the plain cross-entropy.
 """
 
 from __future__ import annotations
@@ -57,6 +78,9 @@ from jssl.parallel import DATA_AXIS
 
 TOP_K = (1, 5)  # VISSL accuracy_list_meter topk_values
 CLASSIFIERS = "tap_classifiers"  # their parameters: params["tap_classifiers"]["<tap>"]
+HEAD_INPUTS = ("avgpool", "patch_avg")  # the ViT's class token, or its patch tokens' mean
+MIX_STREAM = 0x313C  # common.example_keys stream of the mixup / CutMix draws
+MIX_TARGETS = "mix_targets"  # Forward.embeddings: (1, n, K) soft targets of the mixed images
 
 
 def term_name(output: str) -> str:
@@ -93,6 +117,33 @@ class TapClassifiers(nn.Module):
         return logits
 
 
+def mix_settings(method_config: ml_collections.ConfigDict) -> losses.MixSettings:
+    """The method's mixup / CutMix fields (off where a workdir's older config lacks them)."""
+    return losses.MixSettings(
+        mixup_alpha=float(method_config.get("mixup_alpha", 0.0)),
+        cutmix_alpha=float(method_config.get("cutmix_alpha", 0.0)),
+        mix_prob=float(method_config.get("mix_prob", 1.0)),
+        switch_prob=float(method_config.get("switch_prob", 0.5)),
+    )
+
+
+def mix_batch(
+    images: jax.Array,
+    labels: jax.Array,
+    index: jax.Array,
+    rng: jax.Array,
+    settings: losses.MixSettings,
+    num_classes: int,
+    label_smoothing: float,
+) -> tuple[jax.Array, jax.Array]:
+    """``(mixed images, (n, K) soft targets)`` of a training batch: rows (2j, 2j + 1) are
+    partners, their draw keyed by the step key ``rng`` and the dataset index of row 2j."""
+    pair_keys = common.example_keys(rng, index[0::2], MIX_STREAM)
+    mixes = losses.draw_mixes(pair_keys, images.shape[1], images.shape[2], settings)
+    targets = losses.mixed_targets(labels, mixes.lam, num_classes, label_smoothing)
+    return losses.mix_images(images, mixes), targets
+
+
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
     smoothing = float(mcfg.label_smoothing)
@@ -100,10 +151,15 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     temperature = float(mcfg.get("temperature", 1.0))
     normalize_output = bool(mcfg.get("normalize_output", False))
     taps = tuple(str(t) for t in mcfg.get("tap_classifiers", ()))
+    mixing = mix_settings(mcfg)
+    num_classes = int(config.model.head_dims[-1])
     model = models.build_model(
         config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
     )
-    classifiers = TapClassifiers(taps, int(config.model.head_dims[-1]))
+    head_input = str(mcfg.get("head_input", "avgpool"))
+    if head_input != model.head_input:
+        model = model.clone(head_input=head_input)
+    classifiers = TapClassifiers(taps, num_classes)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         model_rng, classifier_rng = jax.random.split(rng)
@@ -122,6 +178,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         (images,) = common.views(batch)
+        targets = None
+        if train and mixing.enabled:
+            images, targets = mix_batch(
+                images, batch["label"], batch["index"], rng, mixing, num_classes, smoothing
+            )
         model_params = {k: v for k, v in params.items() if k != CLASSIFIERS}
         drop_keys = common.view_drop_keys(model, rng, batch, 0, train)
         out, batch_stats = common.apply_model(
@@ -130,6 +191,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         outputs = {"head": out["head"].astype(jnp.float32)}
         if taps:
             outputs.update(classifiers.apply({"params": params[CLASSIFIERS]}, out))
+        if targets is not None:
+            outputs[MIX_TARGETS] = jax.lax.stop_gradient(targets)
         return Forward(
             embeddings={name: logits[None] for name, logits in outputs.items()},  # (1, n, K)
             features=out["avgpool"],
@@ -140,9 +203,19 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
         outputs = {name: embeddings[name][0] for name in ("head", *taps)}
         labels = batch["label"]
-        _, per_output = losses.multi_output_cross_entropy(
-            outputs, labels, smoothing, temperature, normalize_output
-        )
+        if train and MIX_TARGETS in embeddings:
+            targets = embeddings[MIX_TARGETS][0]
+            per_output = {
+                name: losses.soft_target_cross_entropy(
+                    logits, targets, temperature, normalize_output
+                )
+                for name, logits in outputs.items()
+            }
+            labels = losses.dominant_labels(labels, targets)
+        else:
+            _, per_output = losses.multi_output_cross_entropy(
+                outputs, labels, smoothing, temperature, normalize_output
+            )
         hits = {}
         for output, logits in outputs.items():
             suffix = "" if output == "head" else f"_{output}"
@@ -184,6 +257,15 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"method.label_smoothing={smoothing} must lie in [0, 1) (0: plain cross-entropy; "
             "0.1 is the usual value)."
         )
+    _check_mixing(config)
+    head_input = config.method.get("head_input", "avgpool")
+    vit_only = head_input != "avgpool" and not models.is_vit(config.model)
+    if head_input not in HEAD_INPUTS or vit_only:
+        raise ValueError(
+            f"method.head_input={head_input!r}: the classifier reads 'avgpool' (a ResNet's "
+            "pooled features, a ViT's class token) or, on a ViT, 'patch_avg' (the mean of its "
+            "patch tokens, MAE's global_pool); set --config.method.head_input=avgpool."
+        )
     head = tuple(config.model.head_dims)
     if len(head) < 2:
         raise ValueError(
@@ -203,6 +285,34 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"The data has {classes} classes but the classifier (model.head_dims={head}) has "
             f"{head[-1]} outputs: set --config.model.head_dims='{(*head[:-1], classes)}'."
+        )
+
+
+def _check_mixing(config: ml_collections.ConfigDict) -> None:
+    """Mixup / CutMix fields in range, and pairs that stay on one device and micro-batch."""
+    settings = mix_settings(config.method)
+    for name in ("mixup_alpha", "cutmix_alpha"):
+        if getattr(settings, name) < 0:
+            raise ValueError(
+                f"method.{name}={getattr(settings, name)} must be >= 0 (0: off; MAE's "
+                "fine-tuning: mixup_alpha 0.8, cutmix_alpha 1.0)."
+            )
+    for name in ("mix_prob", "switch_prob"):
+        if not 0.0 <= getattr(settings, name) <= 1.0:
+            raise ValueError(
+                f"method.{name}={getattr(settings, name)} is a probability: set it in [0, 1]."
+            )
+    if not settings.enabled:
+        return
+    steps = int(config.optim.get("accumulation_steps", 1))
+    micro = config.data.batch_size // jax.device_count() // max(steps, 1)
+    if micro % 2:
+        raise ValueError(
+            f"Mixup / CutMix pair adjacent examples, which must share a device and a "
+            f"micro-batch, but data.batch_size={config.data.batch_size} over "
+            f"{jax.device_count()} devices and optim.accumulation_steps={steps} leaves {micro} "
+            "examples (odd): pick a batch size that leaves an even number, or set "
+            "--config.method.mixup_alpha=0 --config.method.cutmix_alpha=0."
         )
 
 

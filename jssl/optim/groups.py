@@ -1,9 +1,11 @@
 """Parameters treated apart by the optimizer: learning rates per parameter-path prefix
-(PyTorch parameter groups, VISSL's head optimizer params) and parameters frozen for their first
-steps (VISSL ``MODEL.TEMP_FROZEN_PARAMS_ITER_MAP``)."""
+(PyTorch parameter groups, VISSL's head optimizer params), a ViT's layer-wise learning-rate
+decay (BEiT, MAE's fine-tuning) and parameters frozen for their first steps (VISSL
+``MODEL.TEMP_FROZEN_PARAMS_ITER_MAP``)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -154,6 +156,67 @@ def _with_weight_decay(
     return group_config
 
 
+# --------------------------------------------------------------------------------------------
+# Layer-wise learning-rate decay (BEiT; MAE's util/lr_decay.py, DINOv2's fine-tuning)
+
+# Trunk parameters before the first block: layer 0 (MAE's get_layer_id_for_vit; DINOv2's
+# get_vit_lr_decay_rate adds the mask token and the register tokens).
+LAYER_ZERO = ("patch_embed", "cls_token", "pos_embed", "mask_token", "register_tokens")
+_BLOCK = re.compile(r"blocks_(\d+)")
+
+
+def layer_decay(optim_config: ml_collections.ConfigDict) -> float:
+    """``optim.layer_decay`` validated (1.0, the default and a config without the field: off)."""
+    decay = optim_config.get("layer_decay", 1.0)
+    if not _is_number(decay) or not 0.0 < decay <= 1.0:
+        raise ValueError(
+            f"optim.layer_decay={decay!r} must lie in (0, 1]: block i = 1..L of a ViT of depth L "
+            "learns at decay ** (L + 1 - i) times the rate (MAE's ViT-B fine-tuning: 0.65, "
+            "ViT-L: 0.75); 1.0 turns it off. Set --config.optim.layer_decay."
+        )
+    return float(decay)
+
+
+def vit_layer_ids(params: Any) -> tuple[Any, int]:
+    """``(tree of layer ids like params, depth)``: MAE's ``get_layer_id_for_vit`` on jssl's
+    parameter paths. ``trunk/{patch_embed,cls_token,pos_embed,mask_token,register_tokens}``: 0;
+    ``trunk/blocks_<i>/...``: i + 1; everything else (the final norm, heads, classifiers on
+    taps, a predictor): depth + 1, at the full rate.
+
+    A trunk without ``blocks_<i>`` (a ResNet or a RegNet) is refused: BEiT and MAE define the
+    decay for ViT blocks only, and a ResNet's stages are not one layer each."""
+    trunk = params.get("trunk", {}) if hasattr(params, "get") else {}
+    blocks = [int(m.group(1)) for m in map(_BLOCK.fullmatch, trunk) if m]
+    if not blocks:
+        raise ValueError(
+            "optim.layer_decay < 1: layer-wise learning-rate decay is defined for ViT "
+            "trunks (parameters trunk/blocks_<i>), and this model's trunk has "
+            f"{sorted(trunk)[:8]}. Set --config.optim.layer_decay=1.0 (off), or fine-tune a "
+            "ViT (--config.model.trunk=vit_base)."
+        )
+    depth = max(blocks) + 1
+
+    def layer(path, _) -> int:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if len(keys) < 2 or keys[0] != "trunk":
+            return depth + 1
+        if keys[1] in LAYER_ZERO:
+            return 0
+        block = _BLOCK.fullmatch(keys[1])
+        return int(block.group(1)) + 1 if block else depth + 1
+
+    return jax.tree_util.tree_map_with_path(layer, params), depth
+
+
+def layer_scales(params: Any, decay: float) -> Any:
+    """The learning-rate multiplier of every parameter under layer decay ``decay``:
+    ``decay ** (depth + 1 - layer id)`` (MAE's ``layer_scales``), a tree like ``params``."""
+    if decay == 1.0:
+        return jax.tree.map(lambda _: 1.0, params)
+    ids, depth = vit_layer_ids(params)
+    return jax.tree.map(lambda layer: decay ** (depth + 1 - layer), ids)
+
+
 def build_grouped_optimizer(
     optim_config: ml_collections.ConfigDict,
     params: Any,
@@ -183,11 +246,21 @@ def build_grouped_optimizer(
     other parameters follow the schedule and the group keeps its value, as VISSL's head keeps
     ``head_optimizer_params.weight_decay`` when only ``param_schedulers.weight_decay`` is set.
     A group without one decays as the run does (schedule included).
-    Without groups this is exactly ``build_optimizer`` (same state, so old checkpoints load).
+
+    ``optim.layer_decay`` below 1 (a ViT trunk only: :func:`vit_layer_ids`) multiplies each
+    parameter's rate, its group's included, by :func:`layer_scales`: MAE's ``param_groups_lrd``
+    (``util/lr_decay.py``), a PyTorch group per layer whose ``lr_scale`` the schedule multiplies.
+    Every (group, layer) pair is an optimizer of its own, so AdamW's decoupled decay is scaled
+    with the rate as in PyTorch. Weight decay is not what sets the layers apart: biases and
+    norms follow ``regularize_bias`` / ``regularize_bn``, and MAE's no-decay position embeddings
+    and class token are groups with weight decay 0 (``configs/supervised.py:finetune_vit``).
+    Without groups and layer decay this is exactly ``build_optimizer`` (same state, so old
+    checkpoints load).
     """
     length = dict(steps_per_epoch=steps_per_epoch, num_epochs=num_epochs)  # weight-decay schedule
     groups = param_groups(optim_config)
-    if not groups:
+    decay = layer_decay(optim_config)
+    if not groups and decay == 1.0:
         return build_optimizer(optim_config, params, schedule, **length)
     names = _leaf_names(params)
     for group in groups:
@@ -197,6 +270,12 @@ def build_grouped_optimizer(
                 f"parameters are {sorted(names)[:8]}... (paths joined by '/')."
             )
     labels = jax.tree_util.tree_map_with_path(lambda path, _: _group_of(path, groups), params)
+    # With layer decay, each (group, layer) pair is its own optimizer: label group * L + layer.
+    layers, scale_of = 1, lambda layer: 1.0
+    if decay != 1.0:
+        layer_ids, depth = vit_layer_ids(params)
+        layers, scale_of = depth + 2, lambda layer: decay ** (depth + 1 - layer)
+        labels = jax.tree.map(lambda group, layer: group * layers + layer, labels, layer_ids)
     peak = peak_learning_rate(optim_config, global_batch)
 
     def group_schedule(group: ParamGroup) -> Schedule:
@@ -208,11 +287,15 @@ def build_grouped_optimizer(
     transforms = {}
     for label in used:
         sub_params = _select(params, labels, label)
+        group, layer = divmod(label, layers)
         rate, group_config = schedule, optim_config
-        if label < len(groups):
-            rate = group_schedule(groups[label])
-            if groups[label].weight_decay is not None:
-                group_config = _with_weight_decay(optim_config, groups[label].weight_decay)
+        if group < len(groups):
+            rate = group_schedule(groups[group])
+            if groups[group].weight_decay is not None:
+                group_config = _with_weight_decay(optim_config, groups[group].weight_decay)
+        scale = scale_of(layer)
+        if scale != 1.0:
+            rate = lambda step, r=rate, s=scale: s * r(step)  # noqa: E731
         transforms[label] = build_optimizer(group_config, sub_params, rate, **length)
     return _partition(transforms, labels)
 

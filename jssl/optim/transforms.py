@@ -47,7 +47,8 @@ def _get(optim_config: ml_collections.ConfigDict, name: str) -> Any:
 
 def weight_decay_mask(params: Any, *, regularize_bn: bool, regularize_bias: bool) -> Any:
     """True where weight decay applies. VISSL's regularize_bn covers the scale and bias of
-    normalisation layers (batch norm; a ViT's LayerNorms ``norm``, ``norm1``, ``norm2``);
+    normalisation layers (batch norm; a ViT's LayerNorms ``norm``, ``norm1``, ``norm2``) and
+    LayerScale's ``gamma`` (a per-channel scale, which DINOv2's and MAE's groups exempt too);
     regularize_bias covers the biases of the other layers."""
 
     def is_norm(part: str) -> bool:
@@ -55,7 +56,7 @@ def weight_decay_mask(params: Any, *, regularize_bn: bool, regularize_bias: bool
         return "bn" in lower or lower.startswith(("norm", "batchnorm", "layernorm"))
 
     def decide(path: tuple[str, ...]) -> bool:
-        in_bn = any(is_norm(part) for part in path[:-1])
+        in_bn = any(is_norm(part) for part in path[:-1]) or path[-1] == "gamma"
         if in_bn:
             return regularize_bn
         if path[-1] == "bias":

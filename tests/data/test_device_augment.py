@@ -191,6 +191,36 @@ def test_views_agree_in_distribution_with_the_host_path():
         assert 0.75 < device.std() / host.std() < 1.33, (key, host.std(), device.std())
 
 
+def test_randaugment_and_erasing_views_agree_in_distribution_with_the_host_path():
+    # The ViT fine-tuning recipes' views: RandAugment (2 ops, m9, mstd 0.5) and random erasing
+    # (0.25) without the SSL colour ops; tests/data/test_randaugment.py checks each op's twin.
+    config = _data_config(color_jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)
+    config.augment.num_crops = (1,)
+    config.augment.randaugment_ops = 2
+    config.augment.random_erasing_prob = 0.25
+    (group,) = crops.crop_groups(config)
+    augment = config.augment
+    image = _image(32, 28, seed=4)
+    n = 300
+    seeds = np.stack([np.arange(n), np.full(n, 11)], 1).astype(np.int64)
+    stats = {}
+    for name, views in [
+        ("host", _host_views(image, seeds, group, augment)),
+        ("device", _device_views(image, seeds, group, augment)),
+    ]:
+        stats[name] = {
+            "mean": views.mean(axis=(1, 2, 3)),  # brightness, solarize, invert, erasing
+            "std": views.std(axis=(1, 2, 3)),  # contrast, posterize, equalize, erasing
+            "chroma": (views.max(-1) - views.min(-1)).mean(axis=(1, 2)),  # color, erasing
+            "edges": np.abs(np.diff(views, axis=1)).mean(axis=(1, 2, 3)),  # geometry, sharpness
+        }
+    for key, host in stats["host"].items():
+        device = stats["device"][key]
+        spread = np.sqrt((host.var() + device.var()) / n)
+        assert abs(host.mean() - device.mean()) < 4 * spread, (key, host.mean(), device.mean())
+        assert 0.75 < device.std() / host.std() < 1.33, (key, host.std(), device.std())
+
+
 def test_crop_and_flip_match_the_host_path_up_to_uint8():
     # No photometric op: the device path's view is the host's, but for the uint8 rounding.
     config = _data_config(color_jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)

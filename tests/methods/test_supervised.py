@@ -243,3 +243,84 @@ def test_fine_tuning_starts_from_the_trunk_with_a_fresh_classifier(pretrained):
     kernel = np.asarray(start.params["head"]["fc0"]["kernel"])
     np.testing.assert_array_equal(kernel, np.asarray(fresh.params["head"]["fc0"]["kernel"]))
     assert not np.allclose(kernel, np.asarray(trained.params["head"]["fc0"]["kernel"]))
+
+
+# --------------------------------------------------------------------------------------------
+# finetune_vit: MAE's ViT fine-tuning recipe
+
+
+def test_finetune_vit_preset_is_maes_recipe():
+    # FINETUNE.md's ViT-Base command over main_finetune.py's defaults (the paper's Table 9).
+    c = supervised.get_config("finetune_vit")
+    assert (c.model.trunk, c.model.patch_size, c.model.head_dims) == ("vit_base", 16, (768, 1000))
+    assert c.model.drop_path_rate == 0.1 and c.method.head_input == "patch_avg"
+    m = c.method
+    assert (m.mixup_alpha, m.cutmix_alpha, m.mix_prob, m.switch_prob) == (0.8, 1.0, 1.0, 0.5)
+    assert m.label_smoothing == 0.1 and m.require_init_checkpoint and c.init.skip == ("head",)
+    o = c.optim
+    assert (o.name, o.betas, o.base_lr, o.base_lr_batch_size) == ("adamw", (0.9, 0.999), 5e-4, 256)
+    assert (o.layer_decay, o.weight_decay, o.warmup_epochs) == (0.65, 0.05, 5.0)
+    assert not o.regularize_bias and not o.regularize_bn
+    assert o.param_groups == (("trunk/pos_embed", 1.0, 0.0), ("trunk/cls_token", 1.0, 0.0))
+    peak = o.base_lr * c.data.batch_size / o.base_lr_batch_size
+    assert c.data.batch_size == 1024 and o.final_lr_fraction * peak == pytest.approx(1e-6)
+    assert c.num_epochs == 100 and c.data.augment.crop_scale == (0.08, 1.0)
+    assert c.data.augment.color_jitter_prob == (0.0,)
+
+
+def tiny_finetune_vit(data_dir: str, checkpoint: str):
+    """finetune_vit at the size of configs/dino.py:test_vit (its trunk, so its workdir loads)
+    on the demo data: 2-block ViT-Tiny, 4 px patches on 16 px images, batch 16, one step."""
+    from configs import dino
+
+    source = dino.get_config("test_vit")
+    c = supervised.get_config("finetune_vit")
+    for field in ("trunk", "vit_depth", "patch_size", "image_size", "pos_embed_init"):
+        c.model[field] = source.model[field]
+    c.model.head_dims, c.model.dtype = (192, 10), "float32"
+    for field in ("source", "name", "train_split", "test_split", "image_size", "train_subset"):
+        c.data[field] = source.data[field]
+    c.data.data_dir, c.data.batch_size = data_dir, 16
+    c.init.checkpoint = checkpoint
+    c.num_epochs, c.test_every_epochs, c.debug.max_steps = 1, 0, 1
+    c.optim.warmup_epochs = 0.0  # the one step at the peak rate, not at the warmup's 0
+    c.checkpoint.async_save, c.checkpoint.every_steps = False, 0
+    return c
+
+
+@pytest.mark.slow
+def test_finetune_vit_starts_from_a_dino_vit_workdir(shared_dirs, tmp_path):
+    # One step of configs/dino.py:test_vit, then finetune_vit from its workdir: the trunk
+    # loaded, a fresh classifier on the patch tokens' mean, and a step of the whole recipe
+    # (layer decay, mixup / CutMix, drop path, AdamW) that stays finite.
+    from configs import dino
+
+    source = dino.get_config("test_vit")
+    source.data.data_dir = shared_dirs[0]
+    source.checkpoint.async_save = False
+    source.debug.max_steps = 1
+    dino_dir = tmp_path / "dino"
+    pretrained = train.run(source, str(dino_dir))["state"]
+    tune = tiny_finetune_vit(shared_dirs[0], str(dino_dir))
+    train.validate(tune)
+    method = methods.get(tune, steps_per_epoch=4)
+    tx, _ = train.make_optimizer(tune, method, steps_per_epoch=4)
+    fresh = train.init_state(tune, method, tx, parallel.make_mesh())
+    start = warm_start.init_train_state(tune, fresh)
+    for a, b in zip(
+        jax.tree.leaves(pretrained.params["trunk"]),
+        jax.tree.leaves(start.params["trunk"]),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(
+        start.params["head"]["fc0"]["kernel"], fresh.params["head"]["fc0"]["kernel"]
+    )
+    summary = train.run(tune, str(tmp_path / "finetune"))
+    assert summary["step"] == 1  # a non-finite loss would have stopped the run
+    moved = jax.tree.map(
+        lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+        summary["state"].params["trunk"],
+        start.params["trunk"],
+    )
+    assert moved["blocks_1"]["fc1"]["kernel"] > 0

@@ -79,12 +79,15 @@ def test_weight_decay_mask_follows_vissl_flags():
         "bn1": {"scale": 1, "bias": 1},
         "head": {"Dense_0": {"kernel": 1, "bias": 1}},
         "layer1_0": {"downsample_bn": {"scale": 1}},
+        "blocks_0": {"ls1": {"gamma": 1}, "fc1": {"kernel": 1}},  # a ViT block's LayerScale
     }
     mask = optim.weight_decay_mask(params, regularize_bn=False, regularize_bias=True)
     assert mask["conv1"]["kernel"] and mask["head"]["Dense_0"]["bias"]
     assert not mask["bn1"]["scale"] and not mask["layer1_0"]["downsample_bn"]["scale"]
+    assert not mask["blocks_0"]["ls1"]["gamma"] and mask["blocks_0"]["fc1"]["kernel"]
     mask = optim.weight_decay_mask(params, regularize_bn=True, regularize_bias=False)
     assert mask["bn1"]["bias"] and not mask["head"]["Dense_0"]["bias"]
+    assert mask["blocks_0"]["ls1"]["gamma"]
 
 
 @pytest.mark.parametrize("name", ["sgd", "larc", "lars", "adamw"])
