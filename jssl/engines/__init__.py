@@ -18,7 +18,17 @@ from absl import logging
 from jssl.checkpoints import source_model
 from jssl.checkpoints import workdir as workdir_lib
 
-ENGINES = ("train", "extract_features", "knn", "linear_eval", "verify", "export")
+ENGINES = (
+    "train",
+    "extract_features",
+    "knn",
+    "linear_eval",
+    "verify",
+    "export",
+    "svm",
+    "low_shot",
+    "cluster",
+)
 
 
 def exit_status(summary: dict[str, Any]) -> int:
