@@ -132,6 +132,17 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.probe.learning_rate = 1e-3  # Adam
     c.probe.weight_decay = 0.0
 
+    c.monitor = ml_collections.ConfigDict()
+    # The collapse statistics (jssl/training/collapse.py, TensorBoard collapse/*) are written at
+    # every log step; when one stays past its bound for `patience` log steps in a row: "warn"
+    # (log a warning naming it), "stop" (save a checkpoint, exit with status 1) or "off".
+    c.monitor.on_collapse = "warn"
+    c.monitor.patience = 3  # log steps in a row, so that one noisy batch does not fire
+    c.monitor.min_rank_fraction = 0.01  # RankMe below 1 + this x (min(global batch, dim) - 1), or 2
+    c.monitor.min_std_fraction = 0.05  # std of the L2-normalised rows below this x 1/sqrt(dim)
+    c.monitor.max_entropy_fraction = 0.995  # DINO teacher, SwAV: per-image entropy > this x log K
+    c.monitor.min_mean_entropy_fraction = 0.05  # entropy of the batch's mean < this x log K
+
     c.loss = ml_collections.ConfigDict()
     # The method's named loss terms (its config declares them with loss_terms below): the loss
     # is sum(weight * term). weights.<term>: the weight, or where a ramp ends; ramps.<term>:

@@ -39,7 +39,7 @@ from jssl.checkpoints import warm_start
 from jssl.data import device_augment
 from jssl.engines import knn as knn_engine
 from jssl.evaluation import monitor
-from jssl.training import accumulation, finite, preemption, probe, summaries
+from jssl.training import accumulation, collapse, finite, preemption, probe, summaries
 from jssl.training import batches as batches_lib
 from jssl.training import state as train_state
 from jssl.training.fresh import abstract_state as abstract_state  # re-exported for callers
@@ -65,6 +65,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     parallel.check_batch_divisible(config.data.batch_size)
     accumulation.check_config(config)
     checkpoint.check_config(config.checkpoint)
+    collapse.check_config(config)
     data.crop_groups(config.data)
     methods.check_config(config)
 
@@ -93,9 +94,12 @@ def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, st
     return optim.freeze_for_steps(tx, params_shape, method.frozen_params), schedule
 
 
-def make_step(config: ml_collections.ConfigDict, method, tx, schedule, mesh, state):
+def make_step(
+    config: ml_collections.ConfigDict, method, tx, schedule, mesh, state, statistics_at=None
+):
     """The compiled train step of ``config`` over ``mesh`` as this engine runs it: the online
-    probe, the on-device augmentation, accumulation and ``state``'s layout over the devices."""
+    probe, the on-device augmentation, accumulation and ``state``'s layout over the devices
+    (and the collapse statistics at ``statistics_at``, the loop's log steps)."""
     return make_train_step(
         method,
         tx,
@@ -105,6 +109,7 @@ def make_step(config: ml_collections.ConfigDict, method, tx, schedule, mesh, sta
         augment=device_augment.make_batch_augment(config.data),
         accumulation_steps=config.optim.accumulation_steps,
         state_specs=train_state.specs_of(state),
+        statistics_at=statistics_at,
     )
 
 
@@ -148,9 +153,11 @@ def run(
         writer = summaries.create_writer(
             os.path.join(workdir, "tensorboard"), just_logging=jax.process_index() > 0
         )
-        train_step = make_step(config, method, tx, schedule, mesh, state)
+        at_log_steps = collapse.log_steps(plan.log_every_steps, plan.max_steps)
+        train_step = make_step(config, method, tx, schedule, mesh, state, at_log_steps)
         eval_step = monitor.make_test_step(config, method, mesh)
         forward = make_forward(method, mesh)
+        pictures = summaries.MethodPictures.of(config)  # the method's own, if it makes any
         summary: dict[str, Any] = {}
         if not resumed:
             overview = parameter_overview.get_parameter_overview(state.params)
@@ -175,7 +182,9 @@ def run(
         write_metrics = periodic_actions.PeriodicCallback(
             every_steps=plan.log_every_steps,
             on_steps=[plan.max_steps],
-            callback_fn=functools.partial(_write_metrics, config, writer, manager, checks),
+            callback_fn=functools.partial(
+                _write_metrics, config, writer, manager, checks, collapse.Alarm.of(config), workdir
+            ),
             pass_step_and_time=False,
         )
         save_in_epoch = periodic_actions.PeriodicCallback(
@@ -208,6 +217,8 @@ def run(
                 replaced += int(np.sum(host_batch.pop("replaced")))
             if step == 1:
                 summaries.write_views(writer, host_batch["crops"], config.data.augment)
+            if pictures is not None:
+                pictures.keep(host_batch)
             previous = metrics  # the metrics of the step before, whose stop flag is read
             batch = parallel.host_batch_to_global(host_batch, mesh)
             state, metrics = train_step(state, batch, stop_flags(mesh, stop_request.requested))
@@ -236,8 +247,12 @@ def run(
             # The test phase follows every completed epoch, the last one included
             # (max_steps defaults to the total, so reaching it is not in itself an early
             # stop); a stopped run leaves as fast as it can.
-            if epoch_done and not stopped and test_phase(epoch + 1, state=state, progress=progress):
+            tested_now = epoch_done and not stopped
+            tested_now = tested_now and test_phase(epoch + 1, state=state, progress=progress)
+            if tested_now:
                 tested = (step, test_phase.get_last_callback_result())
+            if pictures is not None and (tested_now or step >= plan.max_steps):
+                pictures.write(writer, state, step)
             if stopped or step >= plan.max_steps:
                 break
             window, replaced = Window(), 0
@@ -303,14 +318,32 @@ def _check_finite(state, step: int, *, manager, workdir: str, plan: Plan) -> Non
     finite.check(state, step, plan.steps_per_epoch, newest_checkpoint)
 
 
-def _write_metrics(config, writer, manager, checks, *, state, progress: Progress, window: Window):
+def _write_metrics(
+    config, writer, manager, checks, alarm, workdir, *, state, progress: Progress, window: Window
+):
     checks(state, progress.step)
     checkpoint.check_for_errors(manager)
     elapsed = window.seconds()
-    scalars = window.mean()
+    # The step's collapse statistics are those of this (log) step, not a mean over the window.
+    scalars = alarm.scalars(window.mean(), window.metrics[-1])
     scalars["images_per_sec"] = len(window) * config.data.batch_size / max(elapsed, 1e-9)
     scalars["epoch"] = progress.epochs
     writer.write_scalars(progress.step, scalars)
+    finding = alarm.check(progress.step, scalars, writer)
+    if finding is not None:  # monitor.on_collapse=stop
+        _stop_on_collapse(alarm, finding, manager, workdir, state=state, progress=progress)
+
+
+def _stop_on_collapse(alarm, finding, manager, workdir: str, *, state, progress: Progress):
+    """Saves this step (the state was just checked finite) and raises the alarm's
+    CollapseError, naming the checkpoint from before the statistic first crossed its bound."""
+    checkpoint.finish(manager)  # a save in flight counts among the earlier ones
+    before = [s for s in checkpoint.saved_steps(workdir) if s < finding.first_step]
+    checkpoint.save(manager, state, progress.next, force=True)
+    checkpoint.finish(manager)
+    directory = checkpoint.checkpoint_dir(workdir)
+    earlier = os.path.join(directory, str(before[-1])) if before else ""
+    raise collapse.CollapseError(alarm.stop_message(finding, directory, earlier))
 
 
 def _save_in_epoch(manager, checks, *, state, progress: Progress) -> None:

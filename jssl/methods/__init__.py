@@ -1,7 +1,12 @@
 """SSL methods: the contract every method meets, and the registry ``METHODS``.
 
 A method is a module ``jssl.methods.<name>`` exposing ``make(config, steps_per_epoch) ->
-Method``, its loss terms (``TERMS``, or ``terms(config)``) and optionally ``check_config``.
+Method``, its loss terms (``TERMS``, or ``terms(config)``), optionally ``check_config``, and
+optionally ``make_images(config)`` returning ``images(params, state, batch, rng) -> {name:
+[columns]}``: TensorBoard pictures the train engine draws (jitted, evaluation mode) from the
+first examples of the first training batch at every test phase and at the end of the run, each
+column an (n, H, W, 3) array in the crops' normalised space
+(``jssl.training.summaries.MethodPictures``; MAE shows crop, masked crop, reconstruction).
 A :class:`Method` is pure functions that the one train step calls. ``forward`` and
 ``objective`` run per replica inside ``jax.shard_map`` over the ``data`` axis (so they may use
 named collectives) and see the state's parameters whole, even where ``parallel.shard_params``
@@ -60,11 +65,16 @@ METHODS = (
     "mocov3",
     "simclr",
     "swav",
+    "deepclusterv2",
     "byol",
     "simsiam",
     "barlow_twins",
     "vicreg",
     "dino",
+    "ibot",
+    "dinov2",
+    "msn",
+    "mae",
     "supervised",
 )
 

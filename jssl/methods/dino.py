@@ -71,6 +71,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from jssl import losses, models
 from jssl.methods import Forward, Method, Objective, common
@@ -192,6 +193,12 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             teacher_temp=temperature,
             teacher_momentum=momentum_at(state.step),
             center_norm=jnp.linalg.norm(state.method_state["center"]),
+            # The collapse monitor's (jssl.training.collapse): the entropies over log K, 1 for
+            # uniform outputs, the mean's 0 when one dimension dominates (Sec. 5.3).
+            **{
+                f"collapse/{name}": metrics[name] / np.log(teacher.shape[-1])
+                for name in ("teacher_entropy", "teacher_mean_entropy")
+            },
         )
         return Objective(
             terms={term.name: per_teacher[t] for t, term in enumerate(term_specs)},

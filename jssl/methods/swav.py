@@ -56,6 +56,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from jssl import losses, models
 from jssl.methods import Forward, Method, Objective, common
@@ -86,6 +87,24 @@ class Prototypes(nn.Module):
             )(z)
             for i, k in enumerate(self.num_prototypes)
         ]
+
+
+def entropy_fractions(probs: jax.Array, axis_name: str | None = None) -> tuple:
+    """``(mean entropy of a row, entropy of the mean row)`` of the distributions ``probs``
+    (..., K) over the rows of every replica, each over log K: SwAV's collapse statistics of
+    its predicted assignments. Both are 1 for uniform predictions (the embeddings all alike),
+    and the second is 0 when every image goes to the same prototype."""
+    probs = jnp.asarray(probs, jnp.float32).reshape(-1, probs.shape[-1])
+
+    def entropy(p):
+        return -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)
+
+    rows = jnp.asarray(probs.shape[0], jnp.float32)
+    total, per_row = jnp.sum(probs, axis=0), jnp.sum(entropy(probs))
+    if axis_name is not None:
+        total, per_row, rows = jax.lax.psum((total, per_row, rows), axis_name)
+    log_k = np.log(probs.shape[-1])
+    return per_row / rows / log_k, entropy(total / rows) / log_k
 
 
 def normalize_prototypes(prototypes: Any) -> Any:
@@ -185,6 +204,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             per_crop = per_crop + set_per_crop.astype(jnp.float32)  # (A, n)
             suffix = "" if len(scores) == 1 else str(i)
             metrics.update({f"{k}{suffix}": v for k, v in set_metrics.items()})
+            # The collapse monitor's (jssl.training.collapse), of the assignment crops.
+            predicted = jax.nn.softmax(set_scores[np.array(assign)] / mcfg.temperature)
+            entropy, mean_entropy = entropy_fractions(predicted, DATA_AXIS)
+            metrics[f"collapse/assignment{suffix}_entropy"] = entropy
+            metrics[f"collapse/assignment{suffix}_mean_entropy"] = mean_entropy
         carry = None
         if use_queue:
             metrics["queue_on"] = on.astype(jnp.float32)

@@ -1,6 +1,8 @@
 """Projection heads put on top of a trunk's features.
 
-``DINOHead`` (with its ``WeightNormDense`` last layer) is DINO's head, see below.
+``DINOHead`` (with its ``WeightNormDense`` last layer) is DINO's head, see below; on patch
+tokens (``patches=True``) it is iBOT's head, and ``ClsPatchHeads`` holds DINOv2's separate
+heads for class and patch tokens.
 
 ``MLPHead`` is VISSL's ``"mlp"`` head (``vissl/models/heads/mlp.py``): a stack of
 Linear layers given by ``dims = (in, hidden..., out)``, ReLU between them, an
@@ -110,7 +112,14 @@ class DINOHead(nn.Module):
     in -> hidden ... -> bottleneck, the bottleneck L2-normalised, then a weight-normalised
     bias-free layer to ``out_dim`` (``last_layer``). The MLP's kernels start N(0, 0.02)
     (``trunc_normal_`` with bounds +-2, i.e. 100 standard deviations), biases 0. Any trunk's
-    feature vector works as input (ResNet avgpool, a ViT class token)."""
+    feature vector works as input (ResNet avgpool, a ViT class token), and so do tokens
+    ``(rows, tokens, D)``: every layer acts on the last axis.
+
+    iBOT's head (bytedance/ibot models/head.py ``iBOTHead``): ``patches=True`` marks patch-token
+    input. With ``patch_out_dim`` > 0 it gets its own weight-normalised last layer
+    (``last_layer2``, iBOT ``shared_head=False``) after the shared MLP; with 0 the patch tokens
+    go through ``last_layer`` as the class token does (``shared_head=True``). Initialise with
+    both calls so that ``last_layer2`` exists."""
 
     out_dim: int
     hidden_dim: int = 2048
@@ -120,9 +129,10 @@ class DINOHead(nn.Module):
     norm_last_layer: bool = True
     dtype: Any = jnp.float32
     bn_axis_name: str | None = None
+    patch_out_dim: int = 0  # > 0: patch tokens get their own last layer of this width
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = True, patches: bool = False) -> jax.Array:
         if self.num_layers < 1:
             raise ValueError(f"DINOHead needs num_layers >= 1, got {self.num_layers}")
         if x.ndim == 4 and x.shape[1:3] == (1, 1):
@@ -150,4 +160,23 @@ class DINOHead(nn.Module):
                 x = nn.gelu(x, approximate=False)  # PyTorch nn.GELU: the exact erf form
         x = x.astype(jnp.float32)
         x = x / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True)), 1e-12)
-        return WeightNormDense(self.out_dim, fixed_norm=self.norm_last_layer, name="last_layer")(x)
+        if patches and self.patch_out_dim > 0:
+            last = WeightNormDense(
+                self.patch_out_dim, fixed_norm=self.norm_last_layer, name="last_layer2"
+            )
+        else:
+            last = WeightNormDense(self.out_dim, fixed_norm=self.norm_last_layer, name="last_layer")
+        return last(x)
+
+
+class ClsPatchHeads(nn.Module):
+    """Separate heads for class and patch tokens (DINOv2 ``ibot.separate_head``:
+    dinov2/train/ssl_meta_arch.py ``dino_head`` and ``ibot_head``): ``cls`` on class tokens,
+    ``patch`` on patch tokens (``patches=True``), parameters under ``cls/`` and ``patch/``.
+    Initialise with both calls."""
+
+    cls: nn.Module
+    patch: nn.Module
+
+    def __call__(self, x: jax.Array, train: bool = True, patches: bool = False) -> jax.Array:
+        return (self.patch if patches else self.cls)(x, train=train)

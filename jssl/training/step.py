@@ -24,7 +24,7 @@ from jssl import methods, parallel
 from jssl.methods import Method
 from jssl.methods.common import mean_over_devices
 from jssl.parallel import DATA_AXIS
-from jssl.training import accumulation
+from jssl.training import accumulation, collapse
 from jssl.training import probe as online_probe
 from jssl.training.finite import all_finite
 from jssl.training.state import TrainState
@@ -39,6 +39,7 @@ def make_train_step(
     augment: Callable[[Any], Any] | None = None,
     accumulation_steps: int = 1,
     state_specs: TrainState | None = None,
+    statistics_at: Callable[[jax.Array], jax.Array] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted, state-donating train step over ``mesh``.
 
@@ -62,6 +63,11 @@ def make_train_step(
     device's part; the optimizer and ``after_update`` then run on the global arrays outside
     the per-replica code, where XLA partitions them like the state (a LARS trust ratio's norm
     is over the whole leaf).
+
+    ``statistics_at`` (``collapse.log_steps``: the engine's log steps) adds the collapse
+    statistics of the head output and trunk features over the global batch to the metrics
+    (jssl.training.collapse), computed only when ``statistics_at(steps done after this one)``;
+    0 on the other steps.
     """
     replicas = mesh.shape[DATA_AXIS]
 
@@ -91,6 +97,17 @@ def make_train_step(
         # Equal local batches, so the mean of per-replica means is the global mean.
         grads = parallel.mean_to_shards(grads, specs.params, replicas)
         loss, metrics = replica_mean((loss, out.metrics))
+        if statistics_at is not None:
+            # The same on every replica (over the gathered batch); the gather and the SVD run
+            # only at the steps asked for.
+            metrics = dict(
+                metrics,
+                **collapse.step_statistics(
+                    statistics_at(state.step + 1),
+                    {"head": out.embeddings, "features": out.features},
+                    DATA_AXIS if replicas > 1 else None,
+                ),
+            )
 
         batch_stats = None
         if out.batch_stats is not None:

@@ -294,3 +294,73 @@ def embedding_picture(x: np.ndarray, labels: np.ndarray, size: int = 384) -> np.
 def save_png(path: str, image: np.ndarray) -> None:
     with open(path, "wb") as f:
         f.write(encode_png(image))
+
+
+def write_image_columns(
+    writer, step: int, pictures: Mapping[str, Sequence[np.ndarray]], mean, std
+) -> None:
+    """Writes each picture, a list of columns of (n, H, W, 3) images in the crops' normalised
+    space, as one grid (rows: examples, columns: the list's order) de-normalised with ``mean``
+    and ``std`` (``data.augment``), on process 0."""
+    import jax
+
+    if jax.process_index() != 0 or not pictures:
+        return
+    images = {
+        name: view_grid([np.asarray(c, np.float32) for c in columns], mean, std)[None]
+        for name, columns in pictures.items()
+    }
+    writer.write_images(step, images)
+
+
+class MethodPictures:
+    """A method's own TensorBoard pictures (MAE's reconstructions), from the optional
+    ``make_images(config)`` of its module: ``images(params, state, batch, rng) -> {name: [columns
+    of (n, H, W, 3) in the crops' normalised space]}``, run jitted in evaluation mode.
+
+    The train engine keeps the first examples of the first batch it trains on (``keep``: every
+    process the same ones, process 0's) and draws them with the state's own key at every test
+    phase and at the end of the run (``write``), so successive pictures show the same crops
+    under the same random choices (MAE's masks) as training goes on."""
+
+    def __init__(self, config, make_images):
+        import jax
+
+        self.config = config
+        self.images = jax.jit(make_images(config))
+        self.batch = None
+
+    @classmethod
+    def of(cls, config) -> MethodPictures | None:
+        """The pictures of ``config.method.name``'s module, or None where it makes none."""
+        import importlib
+
+        module = importlib.import_module(f"jssl.methods.{config.method.name}")
+        make_images = getattr(module, "make_images", None)
+        return None if make_images is None else cls(config, make_images)
+
+    def keep(self, host_batch: Mapping[str, Any], examples: int = 8) -> None:
+        """The first ``examples`` rows of ``host_batch`` (crops and indices), unless some are
+        kept already."""
+        import jax
+        from jax.experimental import multihost_utils
+
+        if self.batch is not None:
+            return
+        batch = {
+            "crops": tuple(np.asarray(g[:examples]) for g in host_batch["crops"]),
+            "index": np.asarray(host_batch["index"][:examples]),
+        }
+        if jax.process_count() > 1:
+            batch = multihost_utils.broadcast_one_to_all(batch)
+        self.batch = batch
+
+    def write(self, writer, state, step: int) -> None:
+        """The pictures of the kept examples under ``state``, written at ``step``."""
+        import jax
+
+        if self.batch is None:
+            return
+        pictures = self.images(state.params, state, self.batch, state.rng)
+        augment = self.config.data.augment
+        write_image_columns(writer, step, jax.device_get(pictures), augment.mean, augment.std)

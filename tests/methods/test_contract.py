@@ -49,7 +49,14 @@ ROWS = {
     "barlow_twins": Row(),
     "vicreg": Row(),
     "swav": Row(method_state=("queue", "queue_filled", "queue_ptr")),
+    "deepclusterv2": Row(
+        method_state=("assignments", "bank", "bank_epoch", "centroids", "nonempty_clusters")
+    ),
     "dino": Row(method_state=("center",), teacher=True),
+    "ibot": Row(method_state=("center", "patch_center"), teacher=True),
+    "dinov2": Row(teacher=True),  # Sinkhorn centring (the test preset): no centres
+    "msn": Row(teacher=True),
+    "mae": Row(),
     "supervised": Row(),
 }
 

@@ -72,8 +72,22 @@ def _swav_run(config, summary, outputs, workdir):
     assert set(scalar_values(logdir, "loss_weight/swapped_prediction_crop0").values()) == {0.5}
 
 
+def _deepclusterv2_run(config, summary, outputs, workdir):
+    memory = summary["state"].method_state
+    # 64 examples in 4 batches: every row written in epoch 1, clustered at its start.
+    np.testing.assert_array_equal(np.asarray(memory["bank_epoch"]), 1)
+    assignments = np.asarray(memory["assignments"])
+    assert assignments.shape == (2, 64) and assignments.min() >= 0
+    assert np.all(assignments < np.array(config.method.num_clusters)[:, None])
+
+
 def _dino_run(config, summary, outputs, workdir):
     assert np.load(outputs / "features.npy").shape[0] == 40
+
+
+def _mae_run(config, summary, outputs, workdir):
+    # The test phase's features: the class token of the whole (unmasked) crop.
+    assert np.load(outputs / "features.npy").shape == (40, 192)
 
 
 RUNS = {
@@ -95,7 +109,18 @@ RUNS = {
     "barlow_twins": Run(check=_barlow_twins_run),
     "vicreg": Run(check=_vicreg_run),
     "swav": Run(overrides={"log_every_steps": 4}, check=_swav_run),
+    # Per crop and head at most 2 / T + log K (unit vectors, T 0.1, K 8).
+    "deepclusterv2": Run(
+        loss_range=(0, 2 / 0.1 + np.log(8)),
+        loss_term="cluster_prediction",
+        check=_deepclusterv2_run,
+    ),
     "dino": Run(loss_term="cross_entropy", check=_dino_run),
+    "ibot": Run(),
+    "dinov2": Run(),
+    "msn": Run(),
+    # The reconstruction of the masked patches (and the method's TensorBoard pictures).
+    "mae": Run(loss_term="reconstruction", check=_mae_run),
 }
 # The methods whose run with a test phase is tested elsewhere.
 RUN_ELSEWHERE = {
@@ -110,9 +135,10 @@ def test_every_method_has_a_run():
 
 
 # Slow tier (JSSL_SLOW_TESTS=1): runs whose method adds nothing to the engine's path that the
-# CI runs lack (SwAV's multi-crop and queue, DINO, Barlow Twins' terms, MoCo and supervised
-# elsewhere); their step is in test_contract.py and their loss ranges are checked here.
-SLOW_RUNS = ("simclr", "byol", "mocov3", "simsiam", "vicreg")
+# CI runs lack (SwAV's multi-crop and queue, DINO, Barlow Twins' terms, DeepCluster v2's
+# epoch-start k-means, MAE's pictures, MoCo and supervised elsewhere); their step is in
+# test_contract.py and their loss ranges are checked here.
+SLOW_RUNS = ("simclr", "byol", "mocov3", "simsiam", "vicreg", "ibot", "dinov2", "msn")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,178 @@
+r"""iBOT pre-training (Zhou et al. 2022, "iBOT: Image BERT Pre-Training with Online Tokenizer"),
+the ViT-S/16 recipe of bytedance/ibot (README "iBOT Pre-Training with ViTs": 800 epochs,
+16 GPUs x 64, on top of main_ibot.py's defaults), with VISSL's loss port
+(vissl/losses/ibot_loss.py).
+
+  python launch.py --config=configs/ibot.py --workdir=runs/ibot \
+      --config.data.source=tfds --config.data.name=imagenet2012      # ViT-S/16, 800 epochs
+  python launch.py --config=configs/ibot.py:demo --workdir=runs/ibot_demo     # CPU, minutes
+
+Presets: "" / "imagenet" / "vit_small" (the README's ViT-S/16 command), "demo" (a 4-block
+ViT-Tiny with 8 px patches on the built-in demo data at 32 px, DINO's ``demo_vit`` trunk;
+prints the kNN accuracy of learned vs random features), "test" (tiny).
+"""
+
+import ml_collections
+
+from configs import base, recipes
+
+PRESETS = ("", "imagenet", "vit_small", "demo", "test")
+
+
+def get_config(preset: str = "") -> ml_collections.ConfigDict:
+    if preset not in PRESETS:
+        raise ValueError(
+            f"Unknown preset {preset!r} of configs/ibot.py: use one of "
+            f"{', '.join(repr(p) for p in PRESETS)}."
+        )
+    c = base.get_base_config()
+    m = c.method
+    m.name = "ibot"
+    # iBOTHead: out_dim 8192 for [CLS], patch_out_dim 8192, hidden 2048, bottleneck 256, 3
+    # layers, no norm in the head, GELU; the README's --shared_head true (one last layer for
+    # [CLS] and patches; main_ibot.py's default is false), the teacher's shared too
+    # (--shared_head_teacher true); --norm_last_layer false (weight norm's g is learned).
+    m.out_dim = 8192
+    m.patch_out_dim = 8192
+    m.hidden_dim = 2048
+    m.bottleneck_dim = 256
+    m.num_layers = 3
+    m.norm_last_layer = False
+    m.shared_head = True
+    m.shared_head_teacher = True
+    # iBOTLoss: student 0.1; teacher 0.04 -> 0.07 over 30 epochs for [CLS] (--teacher_temp
+    # 0.07 --warmup_teacher_temp_epochs 30) and for patches (teacher_patch_temp 0.07); centres
+    # with momentum 0.9 each (center_momentum, center_momentum2).
+    m.student_temp = 0.1
+    m.warmup_teacher_temp = 0.04
+    m.teacher_temp = 0.07
+    m.warmup_teacher_patch_temp = 0.04
+    m.teacher_patch_temp = 0.07
+    m.warmup_teacher_temp_epochs = 30.0
+    m.center_momentum = 0.9
+    m.patch_center_momentum = 0.9
+    m.teacher_momentum = 0.996  # --momentum_teacher, to 1 on a cosine
+    m.freeze_last_layer_epochs = 1.0
+    m.teacher_crops = 2  # --global_crops_number 2: the masked crops, the teacher's crops
+    # Masks (ImageFolderMask): --pred_ratio 0 0.3 --pred_ratio_var 0 0.2, i.e. per crop no
+    # mask or a ratio in (0.1, 0.5), each with probability 1/2; blocks (--pred_shape block)
+    # of aspect 0.3 to 1/0.3; from epoch 0 (--pred_start_epoch).
+    m.pred_ratio = (0.0, 0.3)
+    m.pred_ratio_var = (0.0, 0.2)
+    m.pred_shape = "block"
+    m.pred_start_epoch = 0.0
+    base.loss_terms(c, cls=1.0, patch=1.0)  # --lambda1 1 --lambda2 1
+
+    # vit_small/16, drop path 0.1 on the student; --use_fp16 true (bf16 here); no BN anywhere.
+    c.model.trunk = "vit_small"
+    c.model.patch_size = 16
+    c.model.image_size = 224
+    c.model.drop_path_rate = 0.1
+    c.model.head_dims = ()
+    c.model.dtype = "bfloat16"
+
+    # DataAugmentationiBOT (DINO's): 2 global crops at 224 px, scale (0.25, 1) (README), 10
+    # local crops at 96 px, scale (0.05, 0.25); flip, colour jitter p 0.8 (0.4, 0.4, 0.2, 0.1),
+    # grayscale 0.2; blur p 1.0 / 0.1 / 0.5; solarisation 0.2 on the second global crop.
+    recipes.imagenet_data(c)
+    c.data.batch_size = 1024  # --batch_size_per_gpu 64 x 16 GPUs
+    c.data.image_size = 224
+    a = c.data.augment
+    a.num_crops = (1, 1, 10)
+    a.crop_sizes = (224, 224, 96)
+    a.crop_scale = ((0.25, 1.0), (0.25, 1.0), (0.05, 0.25))
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.8,)
+    a.color_strength = 0.5  # (0.4, 0.4, 0.4, 0.1): saturation 0.4, iBOT's 0.2
+    a.grayscale_prob = (0.2,)
+    a.blur_prob = (1.0, 0.1, 0.5)
+    a.blur_sigma = (0.1, 2.0)
+    a.solarize_prob = (0.0, 0.2, 0.0)
+
+    # AdamW at 5e-4 per 256 (--lr, linear scaling), 10 warmup epochs, cosine to 1e-6; weight
+    # decay cosine 0.04 -> 0.4, not on biases and norms (utils.get_params_groups); each
+    # parameter's gradient clipped at 3.0 (utils.clip_gradients); 800 epochs.
+    c.num_epochs = 800
+    o = c.optim
+    o.name = "adamw"
+    o.betas = (0.9, 0.999)
+    o.base_lr = 5e-4
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.schedule = "cosine"
+    o.warmup_epochs = 10
+    o.warmup_start_lr = 0.0
+    o.final_lr_fraction = 1e-6 / (5e-4 * 1024 / 256)
+    o.weight_decay = 0.04
+    o.weight_decay_schedule = "cosine"
+    o.weight_decay_end = 0.4
+    o.regularize_bn = False
+    o.regularize_bias = False
+    o.grad_clip_per_parameter = 3.0
+    c.checkpoint.every_steps = 1251  # every epoch at batch 1024
+    c.log_every_steps = 10
+    c.probe.num_classes = 1000
+
+    if preset in ("demo", "test"):
+        _demo(c)
+    if preset == "test":
+        _test(c)
+    return c
+
+
+def _demo(c: ml_collections.ConfigDict) -> None:
+    """iBOT on DINO's demo ViT (``recipes.demo_vit_trunk``: ViT-Tiny cut to 4 blocks, 8 px
+    patches, a 4 x 4 grid at 32 px) and the demo data: two global crops, no local ones, DINO's
+    ViT optimizer at twice its rate, small heads. Why each choice: docs/methods.md."""
+    recipes.demo_data_and_model(c)
+    recipes.demo_vit_trunk(c, pos_embed_init="learned")
+    c.model.dtype = "float32"
+    c.model.head_dims = ()
+    c.num_epochs = 4
+    a = c.data.augment
+    a.num_crops = (1, 1)
+    a.crop_sizes = (32, 32)
+    a.crop_scale = ((0.3, 1.0), (0.3, 1.0))
+    a.blur_prob = (0.0,)  # blur destroys 32 px shapes (as every demo)
+    a.solarize_prob = (0.0, 0.2)
+    m = c.method
+    m.out_dim = m.patch_out_dim = 256
+    m.hidden_dim = 256
+    m.bottleneck_dim = 64
+    m.warmup_teacher_temp = m.teacher_temp = 0.02
+    m.warmup_teacher_patch_temp = m.teacher_patch_temp = 0.02
+    m.warmup_teacher_temp_epochs = 0.0
+    m.teacher_momentum = 0.996
+    m.freeze_last_layer_epochs = 0.5
+    o = c.optim
+    o.base_lr = 1e-3
+    o.warmup_epochs = 0.5
+    o.final_lr_fraction = 0.0
+    c.checkpoint.every_steps = 0
+
+
+def _test(c: ml_collections.ConfigDict) -> None:
+    """Seconds-long runs: a 2-block ViT-Tiny with 4 px patches on 16 px crops (a 4 x 4 grid)
+    and 8 px local crops, tiny heads, the temperature warming up over the first epoch."""
+    recipes.tiny(c)
+    c.model.trunk = "vit_tiny"
+    c.model.vit_depth = 2
+    c.model.patch_size = 4
+    c.model.image_size = 16
+    c.model.drop_path_rate = 0.1
+    c.model.head_dims = ()
+    a = c.data.augment
+    a.num_crops = (1, 1, 2)
+    a.crop_sizes = (16, 16, 8)
+    a.crop_scale = ((0.3, 1.0), (0.3, 1.0), (0.2, 0.5))
+    a.solarize_prob = (0.0, 0.2, 0.0)
+    m = c.method
+    m.out_dim = m.patch_out_dim = 32
+    m.hidden_dim = 32
+    m.bottleneck_dim = 16
+    m.shared_head = False  # main_ibot.py's default: the patch path's own last layer
+    m.warmup_teacher_temp = m.warmup_teacher_patch_temp = 0.04
+    m.teacher_temp = m.teacher_patch_temp = 0.07
+    m.warmup_teacher_temp_epochs = 1.0
+    m.freeze_last_layer_epochs = 0.5
+    c.optim.warmup_epochs = 0

@@ -1,0 +1,257 @@
+"""DINOv2 (Oquab et al. 2023, "DINOv2: Learning Robust Visual Features without Supervision"),
+following facebookresearch/dinov2 (dinov2/train/ssl_meta_arch.py ``forward_backward``,
+dinov2/loss/{dino_clstoken_loss,ibot_patch_loss,koleo_loss}.py, dinov2/data/masking.py and
+collate.py, dinov2/configs/ssl_default_config.yaml), on top of iBOT (jssl.methods.ibot: masks,
+student and teacher passes) and DINO (its loss and schedules).
+
+Per step: the student's ViT sees its global crops (the teacher's, ``method.teacher_crops``)
+with DINOv2's blockwise masks (``masking.dinov2_spec``: with probability
+``mask_sample_probability`` a ratio in ``mask_ratio_min_max``), the local crops unmasked; the
+teacher (EMA, no drop path) sees the global crops unmasked and runs its patch head on the
+masked patches only. Three losses:
+- ``dino``: DINO's [CLS] cross-entropy over every (teacher crop, other crop) pair
+  (``losses.dino_teacher_crop_losses``; DINOv2's global and local parts summed over the same
+  pairs);
+- ``ibot``: iBOT's masked-patch loss of each global crop against the teacher at the same
+  patches (``losses.masked_patch_losses``);
+- ``koleo``: KoLeo (``losses.koleo_losses``) on the student's normed class tokens of each
+  global crop, within groups of ``koleo_group_size`` examples (DINOv2: each GPU's batch).
+The teacher's targets: ``centering="sinkhorn_knopp"`` (``losses.sinkhorn_centering``: 3
+iterations over the global batch, the patch targets over its masked patches only) or
+``"centering"`` (DINO's EMA centres: one for [CLS], one for the masked patches).
+
+Heads: ``separate_head`` gives the patches their own DINO head (``ClsPatchHeads``:
+``patch_out_dim`` etc.), else the [CLS] head serves both (DINOv2's ``ibot.separate_head``).
+
+Loss terms: ``dino_crop<t>`` and ``ibot_crop<t>`` per global crop t at 1 / teacher_crops each
+(families ``dino`` and ``ibot``: DINOv2's ``dino.loss_weight``, ``ibot.loss_weight``), and
+``koleo_crop<t>`` at 1 each (family ``koleo``, ``koleo_loss_weight`` 0.1: DINOv2 sums the two
+crops' KoLeo terms). Per crop for DINO's and iBOT's reasons (jssl.methods.dino, ibot).
+
+Deliberate differences from DINOv2: masks are drawn per crop from (step, example, crop), each
+crop its own ratio (DINOv2's collate masks exactly half of each GPU's crops at ratios spread
+over strata of the range); KoLeo's groups are fixed slices of the global batch, not GPUs; the
+patch centre (``centering``) is the mean over the global batch's masked patches (DINOv2
+averages the GPUs' means); the schedules are per step in epochs of the data (DINOv2's epoch
+is 1250 iterations: the presets convert); gradients are clipped by the global norm of every
+parameter together (DINOv2: the backbone's and each head's separately); LayerScale gets weight
+decay and drop path grows linearly over the blocks (DINOv2: neither; see docs/methods.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jssl import losses
+from jssl.methods import Forward, Method, Objective, common, dino, ibot, masking
+from jssl.models.heads import ClsPatchHeads, DINOHead
+from jssl.parallel import DATA_AXIS
+
+CENTERINGS = ("sinkhorn_knopp", "centering")
+
+
+def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
+    """``dino_crop<t>``, ``ibot_crop<t>`` (shares 1 / T) and ``koleo_crop<t>`` (shares 1)."""
+    crops = range(int(config.method.teacher_crops))
+    koleo = tuple(common.LossTerm(f"koleo_crop{t}", "koleo", 1.0) for t in crops)
+    return common.crop_terms("dino", crops) + common.crop_terms("ibot", crops) + koleo
+
+
+def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
+    mcfg = config.method
+    dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+
+    def dino_head(prefix: str = "") -> DINOHead:
+        return DINOHead(
+            out_dim=int(mcfg[prefix + "out_dim"]),
+            hidden_dim=int(mcfg[prefix + "hidden_dim"]),
+            bottleneck_dim=int(mcfg[prefix + "bottleneck_dim"]),
+            num_layers=int(mcfg[prefix + "num_layers"]),
+            norm_last_layer=bool(mcfg.norm_last_layer),
+            dtype=dtype,
+        )
+
+    head = ClsPatchHeads(dino_head(), dino_head("patch_")) if mcfg.separate_head else dino_head()
+    model = ibot.student_model(config, head)
+    teacher = common.without_drop_path(model)
+    spec = masking.dinov2_spec(mcfg.mask_ratio_min_max, mcfg.mask_sample_probability)
+    teacher_crops, patch_size = int(mcfg.teacher_crops), int(config.model.patch_size)
+    sinkhorn = mcfg.centering == "sinkhorn_knopp"
+    spe = steps_per_epoch or 0  # no epoch length (evaluation engines): schedules read as done
+    total_steps = spe * config.num_epochs
+    warmup = int(round(mcfg.warmup_teacher_temp_epochs * spe))
+    freeze_steps = int(round(mcfg.freeze_last_layer_epochs * spe))
+    term_specs = terms(config)
+
+    def temperature_at(step):
+        return dino.teacher_temperature(step, mcfg.warmup_teacher_temp, mcfg.teacher_temp, warmup)
+
+    def momentum_at(step):
+        return common.cosine_momentum(step, total_steps, mcfg.teacher_momentum)
+
+    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
+        params = ibot.init_params(model, rng, images)
+        centers = {}
+        if not sinkhorn:
+            centers = {
+                "center": jnp.zeros((int(mcfg.out_dim),), jnp.float32),
+                "patch_center": jnp.zeros((patch_dim(config),), jnp.float32),
+            }
+        return dict(
+            params=params,
+            batch_stats={},
+            ema_params=jax.tree.map(jnp.copy, params),
+            ema_batch_stats={},
+            method_state=centers,
+        )
+
+    def forward(params, state, batch, rng, train: bool = True) -> Forward:
+        views = ibot.split_views(batch, teacher_crops)
+        masks, slots, valid = ibot.draw_masks(spec, views, patch_size, rng, batch["index"], True)
+        student = ibot.apply_student(model, params, views, masks, slots, rng, batch["index"], train)
+        out = teacher.apply(
+            {"params": state.ema_params},
+            views.globals_,
+            slots.reshape(-1, slots.shape[-1]),
+            train,
+            method=_teacher_masked_patches,
+        )
+        split = lambda x: common.split_crops(x.astype(jnp.float32), teacher_crops)  # noqa: E731
+        return Forward(
+            embeddings={
+                "student": student["cls"],
+                "teacher": jax.lax.stop_gradient(split(out["cls"])),
+                "student_patch": student["patch"],
+                "teacher_patch": jax.lax.stop_gradient(split(out["patch"])),
+                "mask": valid.astype(jnp.float32),
+                "cls_tokens": student["cls_tokens"].astype(jnp.float32),
+            },
+            features=student["features"],
+            batch_stats={},
+        )
+
+    def objective(embeddings, state, batch, train: bool = True) -> Objective:
+        temperature = temperature_at(state.step)
+        teacher, teacher_patch = embeddings["teacher"], embeddings["teacher_patch"]
+        mask = embeddings["mask"]
+        carry = None
+        if sinkhorn:
+            iters = int(mcfg.sinkhorn_iterations)
+            targets = losses.sinkhorn_centering(teacher, temperature, None, iters, DATA_AXIS)
+            # Sinkhorn's targets into DINO's loss: logits log q at centre 0, temperature 1.
+            cls_args = (losses.as_teacher_logits(targets), 0.0, mcfg.student_temp, 1.0)
+            patch_targets = losses.sinkhorn_centering(
+                teacher_patch, temperature, mask > 0, iters, DATA_AXIS
+            )
+        else:
+            center, patch_center = state.method_state["center"], state.method_state["patch_center"]
+            cls_args = (teacher, center, mcfg.student_temp, temperature)
+            patch_targets = losses.centred_probs(teacher_patch, patch_center, temperature)
+            carry = {
+                "batch_center": losses.dino_batch_center(teacher, DATA_AXIS),
+                "patch_batch_center": losses.masked_batch_center(teacher_patch, mask, DATA_AXIS),
+            }
+        per_teacher, metrics = losses.dino_teacher_crop_losses(
+            embeddings["student"], *cls_args, axis_name=DATA_AXIS
+        )
+        per_crop = losses.masked_patch_losses(
+            embeddings["student_patch"], patch_targets, mask, mcfg.student_temp
+        )
+        group = int(mcfg.koleo_group_size)
+        koleo = [
+            losses.koleo_losses(tokens, group, DATA_AXIS) for tokens in embeddings["cls_tokens"]
+        ]
+        crops = range(teacher_crops)
+        values = [per_teacher[t] for t in crops] + [per_crop[t] for t in crops] + koleo
+        metrics = dict(
+            metrics,
+            **ibot.patch_metrics(embeddings, patch_targets),
+            teacher_temp=temperature,
+            teacher_momentum=momentum_at(state.step),
+        )
+        return Objective(
+            terms={term.name: value for term, value in zip(term_specs, values, strict=True)},
+            metrics=metrics,
+            carry=carry,
+        )
+
+    def after_update(state, carry):
+        # state.step counts this update already; the EMA after iteration k uses m(k).
+        state = state.replace(
+            ema_params=common.ema(state.params, state.ema_params, momentum_at(state.step - 1))
+        )
+        if sinkhorn:
+            return state
+        update = losses.dino_update_center
+        momentum = mcfg.center_momentum
+        return state.replace(
+            method_state={
+                "center": update(state.method_state["center"], carry["batch_center"], momentum),
+                "patch_center": update(
+                    state.method_state["patch_center"], carry["patch_batch_center"], momentum
+                ),
+            }
+        )
+
+    return Method(
+        init=init,
+        forward=forward,
+        objective=objective,
+        after_update=after_update,
+        model=model,
+        frozen_params=ibot.last_layer_freeze(head, freeze_steps),
+    )
+
+
+def patch_dim(config: ml_collections.ConfigDict) -> int:
+    m = config.method
+    return int(m.patch_out_dim if m.separate_head else m.out_dim)
+
+
+def _teacher_masked_patches(module, images, slots, train):
+    """DINOv2's teacher: the head on the class token and on the masked patches only."""
+    taps = module.trunk(images, train=train)
+    patches = jnp.take_along_axis(taps["patch_tokens"], slots[..., None], axis=1)
+    return {
+        "cls": module.head(taps["avgpool"], train=train),
+        "patch": module.head(patches, train=train, patches=True),
+    }
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """DINO's start-up checks (crops, temperatures, momenta, head sizes), then DINOv2's."""
+    dino.check_config(config)
+    ibot.check_vit(config)
+    m = config.method
+    if m.centering not in CENTERINGS:
+        raise ValueError(
+            f"method.centering={m.centering!r}: use 'sinkhorn_knopp' (DINOv2's ViT-L/14 and "
+            "ViT-g/14) or 'centering' (DINO's EMA centre; DINOv2's default config)."
+        )
+    if int(m.sinkhorn_iterations) < 1:
+        raise ValueError(f"method.sinkhorn_iterations={m.sinkhorn_iterations} must be >= 1.")
+    low, high = (float(r) for r in m.mask_ratio_min_max)
+    if not 0.0 <= low <= high <= 1.0 or not 0.0 <= m.mask_sample_probability <= 1.0:
+        raise ValueError(
+            f"method.mask_ratio_min_max={tuple(m.mask_ratio_min_max)} must satisfy 0 <= min <= "
+            f"max <= 1 and method.mask_sample_probability={m.mask_sample_probability} lie in "
+            "[0, 1] (DINOv2: (0.1, 0.5) and 0.5)."
+        )
+    if m.separate_head:
+        for field in ("patch_out_dim", "patch_hidden_dim", "patch_bottleneck_dim"):
+            if int(m[field]) < 1:
+                raise ValueError(f"method.{field}={m[field]} must be a positive integer.")
+        if int(m.patch_num_layers) < 1:
+            raise ValueError(f"method.patch_num_layers={m.patch_num_layers} must be >= 1.")
+    group, batch = int(m.koleo_group_size), int(config.data.batch_size)
+    if group < 0 or group == 1 or (group and batch % group):
+        raise ValueError(
+            f"method.koleo_group_size={group}: KoLeo finds each example's nearest neighbour "
+            f"within groups of this many examples of the batch; it must divide "
+            f"data.batch_size={batch} and be at least 2 (DINOv2: each GPU's batch, e.g. 64), "
+            "or 0 for the whole batch."
+        )
