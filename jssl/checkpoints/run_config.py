@@ -44,6 +44,7 @@ SAFE_FIELDS = (
     "checkpoint.max_to_keep",
     "checkpoint.async_save",
     "checkpoint.allow_config_change",
+    "monitor.*",  # the collapse alarm reads the step's metrics, never the state
     "knn.*",  # the kNN monitor only reads the trunk (a changed one no longer matches
     # knn_random_init.json, computed once at the start of the workdir)
     "data.cache",  # the same examples, kept in memory or not
