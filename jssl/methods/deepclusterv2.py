@@ -26,18 +26,16 @@ trained (VISSL keeps them as buffers; the SwAV repository freezes them for 30000
 longer than its runs). k-means reads the replicated state with no collectives, so every device
 clusters the whole bank: a conditional holding collectives deadlocked XLA's CPU runtime (its
 collectives were issued in a different order on different devices), and VISSL's split of the
-rows over the devices would need one. Its cost is in docs/methods.md.
+rows over the devices would need one.
 
 The first epoch. VISSL and the SwAV repository fill the bank with a forward pass of the random
 network over the whole train split before epoch 0 (``init_memory``), then cluster it. A method
 here sees only the step's batch, so the first ``memory_fill_epochs`` (1) epochs are that pass:
 the optimizer holds every parameter fixed (``Method.frozen_params``) while the bank fills, and
 epoch 1 clusters the random network's embeddings. Until then the bank holds random unit
-vectors, so the loss logged during the fill epoch is against clusters of random points
-(nothing trains on it). With ``memory_fill_epochs=0`` (the "test" preset) epoch 0 trains
-towards those random clusters, which teaches a uniform prediction: on the demo the loss sat at
-ln K and k-means of the collapsed bank never recovered. Training towards each example's
-nearest cluster by its current embedding in epoch 0 collapsed within 40 steps too.
+vectors, whose clusters epoch 0's loss is logged against (nothing trains on them); with
+``memory_fill_epochs=0`` (the "test" preset) epoch 0 trains towards them, which teaches a
+uniform prediction (docs/methods.md: what the demo measured).
 
 Test phase (``train=False``): an example's target for head h is its nearest centroid by the
 embedding of crop ``h % len(crops_for_mb)`` (the clusters k-means would give it).

@@ -314,6 +314,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         if not 0.0 <= value <= 1.0:
             raise ValueError(
                 f"monitor.{field}={value} must lie in [0, 1]: it is a fraction of the "
-                "statistic's healthy scale (docs/operations.md); 0 (or 1 for "
-                "max_entropy_fraction) turns that check off."
+                "statistic's healthy scale (docs/operations.md); "
+                "--config.monitor.on_collapse=off turns the alarm off."
             )
