@@ -136,7 +136,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         count = common.num_crops(batch)
         out, batch_stats = common.forward_crops(
-            model, params, state.batch_stats, batch["crops"], train
+            model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
         )
         z = losses.l2_normalize(out["head"].astype(jnp.float32))  # (C * n, d), crop-major
         n = z.shape[0] // count
