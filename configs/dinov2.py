@@ -178,10 +178,12 @@ def _vitl16_short(c: ml_collections.ConfigDict) -> None:
 
 def _demo(c: ml_collections.ConfigDict) -> None:
     """DINOv2 on DINO's demo ViT (``recipes.demo_vit_trunk``: ViT-Tiny cut to 4 blocks, 8 px
-    patches) with LayerScale, the demo data, two global crops at 32 px, small heads, float32,
-    state not split. Why each choice: docs/methods.md."""
+    patches) without LayerScale, the demo data, two global crops at 32 px, small heads, DINO's
+    demo teacher temperature 0.02, float32, state not split. Why each choice (LayerScale 1e-5
+    kept the [CLS] targets uniform for the whole demo): docs/methods.md."""
     recipes.demo_data_and_model(c)
     recipes.demo_vit_trunk(c, pos_embed_init="learned")
+    c.model.layerscale = 0.0
     c.model.dtype = "float32"
     c.model.remat = "none"
     c.model.ffn = "mlp"
@@ -197,6 +199,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     m.out_dim = m.patch_out_dim = 256
     m.hidden_dim = m.patch_hidden_dim = 256
     m.bottleneck_dim = m.patch_bottleneck_dim = 64
+    m.warmup_teacher_temp = m.teacher_temp = 0.02
     m.warmup_teacher_temp_epochs = 0.0
     m.teacher_momentum = 0.996
     m.freeze_last_layer_epochs = 0.5
@@ -221,6 +224,10 @@ def _test(c: ml_collections.ConfigDict) -> None:
     c.model.patch_size = 4
     c.model.image_size = 16
     c.model.drop_path_rate = 0.1
+    # LayerScale at 0.1, not 1e-5: at 1e-5 an untrained trunk gives every image nearly the
+    # same class token, and KoLeo's distances between them, differences of nearly equal
+    # floats, change with the float rounding of any other batch layout (1 vs 4 devices).
+    c.model.layerscale = 0.1
     c.model.head_dims = ()
     a = c.data.augment
     a.num_crops = (1, 1, 2)
@@ -231,6 +238,7 @@ def _test(c: ml_collections.ConfigDict) -> None:
     m.out_dim = m.patch_out_dim = 32
     m.hidden_dim = m.patch_hidden_dim = 32
     m.bottleneck_dim = m.patch_bottleneck_dim = 16
+    m.warmup_teacher_temp, m.teacher_temp = 0.04, 0.07
     m.warmup_teacher_temp_epochs = 1.0
     m.freeze_last_layer_epochs = 0.5
     m.koleo_group_size = 8

@@ -170,6 +170,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         metrics = dict(
             metrics,
             **ibot.patch_metrics(embeddings, patch_targets),
+            **ibot.collapse_metrics(metrics, teacher.shape[-1]),
             teacher_temp=temperature,
             teacher_momentum=momentum_at(state.step),
         )

@@ -40,6 +40,7 @@ teacher's shared layer at start); a frozen last layer still gets weight decay (a
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -166,6 +167,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             teacher_momentum=momentum_at(state.step),
             center_norm=jnp.linalg.norm(center),
             patch_center_norm=jnp.linalg.norm(patch_center),
+            **collapse_metrics(metrics, embeddings["teacher"].shape[-1]),
         )
         return Objective(
             terms={term.name: value for term, value in zip(term_specs, values, strict=True)},
@@ -342,6 +344,13 @@ def _teacher_all_patches(module, images, slots, train):
         "patch": jnp.take_along_axis(patch, slots[..., None], axis=1),
         "patch_mean": jnp.mean(patch.astype(jnp.float32), axis=1),
     }
+
+
+def collapse_metrics(metrics: dict, outputs: int) -> dict[str, jax.Array]:
+    """The collapse monitor's (jssl.training.collapse), as DINO's: the [CLS] teacher's entropies
+    over log K, 1 for uniform targets, the mean's 0 when one output dominates."""
+    names = ("teacher_entropy", "teacher_mean_entropy")
+    return {f"collapse/{name}": metrics[name] / math.log(outputs) for name in names}
 
 
 def patch_metrics(embeddings: dict, targets: jax.Array) -> dict[str, jax.Array]:

@@ -1,7 +1,7 @@
 """DINOv2: the presets against dinov2's yaml recipes (the ViT-L/14 and ViT-g/14 states traced
 and laid out for 8 devices, as tests/training/test_scale_presets.py does for DINO's ViT-L),
 start-up checks, the objective's terms under both centrings on embeddings made by hand, and in
-the slow tier the same loss on 1 and 4 devices, over micro-batches, and a run end to end."""
+the slow tier iBOT's and DINOv2's first steps on 1 and 4 devices and over micro-batches."""
 
 from typing import Any, NamedTuple
 
@@ -185,9 +185,10 @@ def test_the_objectives_terms_under_either_centring(centering):
 
 
 # ---------------------------------------------------------------------------------------------
-# Slow tier (JSSL_SLOW_TESTS=1): compiled steps on 1 and 4 devices, and runs end to end. CI
-# holds each method's step once (test_contract.py) and the losses' cross-device parts
-# (tests/losses/test_masked_distillation.py: KoLeo's groups and Sinkhorn over 4 devices).
+# Slow tier (JSSL_SLOW_TESTS=1): compiled steps on 1 and 4 devices. CI holds each method's
+# step once (test_contract.py, test_accumulation.py) and the losses' cross-device parts
+# (tests/losses/test_masked_distillation.py: KoLeo's groups and Sinkhorn over 4 devices); the
+# runs end to end with a test phase are test_contract_runs.py's (slow tier).
 
 PARITY = ("ibot", "dinov2", "ibot_accum", "dinov2_accum")
 
@@ -236,32 +237,3 @@ def test_one_and_four_devices_and_micro_batches_give_the_same_steps(tmp_path):
                 a, b = one[key], four[key]
                 assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a), key
     assert int(four["ibot_accum:accumulation_steps"]) == 2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["ibot", "dinov2"])
-def test_trains_end_to_end_with_a_test_phase(name, tmp_path, shared_dirs):
-    """The run test_contract_runs.py makes of every method (8 steps, a test phase on
-    test[:40] after epoch 2): every term written, finite, and the loss their weighted sum."""
-    import importlib
-
-    config = importlib.import_module(f"configs.{name}").get_config("test")
-    config.data.data_dir = shared_dirs[0]
-    config.checkpoint.async_save = False
-    config.test_every_epochs = 2
-    config.data.test_split = "test[:40]"
-    summary = train.run(config, str(tmp_path))
-    assert summary["step"] == 8
-    outputs = tmp_path / "eval" / "epoch_2"
-    np.testing.assert_array_equal(np.load(outputs / "inds.npy"), np.arange(40))
-    per_example = np.load(outputs / "per_example_loss.npy")
-    assert per_example.shape == (40,) and np.all(np.isfinite(per_example))
-    method = methods.get(config, 4)
-    total = 0.0
-    weights = method.weights_at(summary["state"].step)
-    for term in method.terms:
-        written = np.load(outputs / f"term_{term.name}.npy")
-        assert written.shape == (40,) and np.all(np.isfinite(written)), term.name
-        total = total + float(weights[term.name]) * written
-    np.testing.assert_allclose(total, per_example, rtol=1e-5)
-    assert np.load(outputs / "features.npy").shape[0] == 40

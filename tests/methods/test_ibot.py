@@ -1,7 +1,7 @@
 """iBOT: the preset against the README's ViT-S/16 command, start-up checks, the head's patch
-path and shared last layers, the forward's masks and the objective's terms on a tiny ViT run
-eagerly (no compiled step: the contract test compiles iBOT's), and in the slow tier the same
-loss on 1 and 4 devices (and over micro-batches) and a run end to end with a test phase."""
+path and shared last layers, and the forward's masks and the objective's terms on a tiny ViT
+(forward and objective compiled apart; the contract test compiles iBOT's step). Its first
+steps on 1 and 4 devices and over micro-batches: tests/methods/test_dinov2.py (slow tier)."""
 
 import math
 from typing import Any, NamedTuple
