@@ -13,7 +13,7 @@ from jssl import data, models
 
 def get_base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.engine = "train"  # "train" | "extract_features" | "knn" | "linear_eval" | "verify"
+    c.engine = "train"  # one of jssl.engines.ENGINES: "train", "evaluate", "knn", ...
     c.seed = 0  # model init, dropout/shuffle-BN randomness and the data order all derive from it
     c.num_epochs = 1
     c.log_every_steps = 10
@@ -162,6 +162,17 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.verify.atol = 1e-6
 
     c.eval_outputs = True  # per-example test-split outputs in workdir/eval/epoch_<n>/
+
+    # Evaluators (jssl/evaluation/evaluators.py, docs/evaluation.md): name -> an entry built by
+    # configs/evaluate.py's entry(type, preset), each with its type, every_epochs and the
+    # config sections it sets. In training they run on the checkpoints the run saves; with
+    # engine="evaluate" on init.checkpoint.
+    c.evals = ml_collections.ConfigDict()
+    c.evaluate = ml_collections.ConfigDict()
+    c.evaluate.follow = False  # evaluate each checkpoint of a training workdir as it appears
+    c.evaluate.poll_seconds = 60  # how often a follower looks for a new checkpoint
+    c.evaluate.idle_minutes = 120  # a follower stops after this long without a new one
+    c.evaluate.keep_features = False  # keep each checkpoint's extracted features
 
     # JAX's persistent compilation cache: compiled steps are kept here and reused by a later
     # launch with the same shapes (a resume, a rerun, an evaluation of the same model), which

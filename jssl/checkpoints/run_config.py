@@ -45,6 +45,8 @@ SAFE_FIELDS = (
     "checkpoint.async_save",
     "checkpoint.allow_config_change",
     "monitor.*",  # the collapse alarm reads the step's metrics, never the state
+    "evals.*",  # evaluators read saved checkpoints, never the training state
+    "evaluate.*",
     "knn.*",  # the kNN monitor only reads the trunk (a changed one no longer matches
     # knn_random_init.json, computed once at the start of the workdir)
     "data.cache",  # the same examples, kept in memory or not

@@ -15,6 +15,8 @@ monitor of the train engine alike.
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 from typing import Any
 
@@ -24,7 +26,7 @@ import numpy as np
 from absl import logging
 
 from jssl import models, parallel
-from jssl.evaluation import knn, knn_sharded, pooling
+from jssl.evaluation import evaluators, knn, knn_sharded, pooling
 from jssl.evaluation.batches import eval_batches
 from jssl.evaluation.feature_store import load_features
 from jssl.evaluation.frozen import trunk_forward
@@ -109,11 +111,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
          "k200": {"top1": 71.2, "top5": 88.0}, ...}
     """
     validate(config)
+    if not config.knn.features_dir:  # read the step the record names, not "the newest"
+        config = copy.deepcopy(config)
+        config.init.checkpoint = evaluators.resolve(config.init.checkpoint)
     kcfg = config.knn
     ks = tuple(kcfg.ks) or (kcfg.k,)
     layer = kcfg.layer
     writer = make_writer(workdir)
     results: dict[str, Any] = {"layer": layer, "temperature": float(kcfg.temperature)}
+    results["protocol"] = _protocol(config)
     if kcfg.features_dir:
         bank = load_features(kcfg.features_dir, kcfg.train_split, [layer])
         queries = load_features(kcfg.features_dir, kcfg.test_split, [layer])
@@ -144,6 +150,25 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     writer.flush()
     write_results(workdir, results)
     return results
+
+
+def _protocol(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """What the figures depend on (results.json records it next to them)."""
+    kcfg = config.knn
+    record = evaluators.protocol(config, "knn", evaluators.EVALUATORS["knn"], online=False)
+    record.update(
+        layer=kcfg.layer,
+        pool=kcfg.pool if not kcfg.features_dir else "as extracted",
+        bank=kcfg.train_split,
+        queries=kcfg.test_split,
+        vote="each of the k nearest train features (cosine) votes exp(cosine / T) for its label",
+    )
+    if kcfg.features_dir:
+        from jssl.engines import svm as svm_engine
+
+        record["features"] = svm_engine.features_record(kcfg.features_dir, kcfg.layer)
+        record["checkpoint_step"] = record["features"].get("checkpoint_step")
+    return json.loads(json.dumps(record, default=str))
 
 
 def _sharded_knn(config: ml_collections.ConfigDict, max_k: int):

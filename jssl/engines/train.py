@@ -37,6 +37,7 @@ from jssl import data, engines, methods, optim, parallel
 from jssl.checkpoints import manager as checkpoint
 from jssl.checkpoints import warm_start
 from jssl.data import device_augment
+from jssl.engines import evaluate
 from jssl.engines import knn as knn_engine
 from jssl.evaluation import monitor
 from jssl.training import accumulation, collapse, finite, preemption, probe, summaries
@@ -68,6 +69,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     collapse.check_config(config)
     data.crop_groups(config.data)
     methods.check_config(config)
+    if config.get("evals"):
+        evaluate.validate_in_training(config)
 
 
 def make_optimizer(config: ml_collections.ConfigDict, method: methods.Method, steps_per_epoch: int):
@@ -253,6 +256,10 @@ def run(
                 tested = (step, test_phase.get_last_callback_result())
             if pictures is not None and (tested_now or step >= plan.max_steps):
                 pictures.write(writer, state, step)
+            if config.get("evals") and not stopped:
+                checkpoint.finish(manager)  # the evaluators read the checkpoint just saved
+                last = step >= plan.max_steps
+                evaluate.after_epoch(config, workdir, step, epoch + 1, last, writer)
             if stopped or step >= plan.max_steps:
                 break
             window, replaced = Window(), 0
@@ -260,6 +267,8 @@ def run(
         checkpoint.finish(manager)
         checks(state, step)
         summary["step"] = step
+        if not stopped and step >= plan.max_steps:
+            evaluate.mark_finished(workdir, step)
         if stopped:
             logging.warning(
                 "Stopped by %s at step %d after saving a checkpoint; rerun the same "

@@ -1,0 +1,312 @@
+"""The evaluate engine: every evaluator of ``config.evals`` on one checkpoint, or on each
+checkpoint of a training workdir as it appears (VISSL's benchmark-suite scheduler).
+
+``init.checkpoint`` is a jssl workdir, a ``checkpoints/<step>`` dir or imported weights (a
+.torch/.pth/.safetensors file). A workdir is read at its newest complete checkpoint, named by
+its step dir so that every record carries the step; with ``evaluate.follow=True`` every
+checkpoint of it is evaluated in order as the training saves it, until the training has
+finished (it writes ``train_finished.json``) or nothing new came for
+``evaluate.idle_minutes``. Evaluators that read extracted features share one extraction per
+checkpoint and dataset (``<workdir>/evals/<step>/features_<n>``, removed afterwards unless
+``evaluate.keep_features``).
+
+``workdir/results.json``: ``{"evaluator": "evaluate", "timeline": [{"checkpoint",
+"checkpoint_step", "evals": {name: {"protocol": {...}, "results": {...}}}}, ...]}``, one
+timeline row per checkpoint, and each evaluator's own ``results.json`` under
+``workdir/evals/<step>/<name>/``. A rerun of the same command continues: evaluators whose
+results are there are not run again. The train engine runs the same evaluators on its own
+checkpoints (``at_checkpoint``) when its config has ``evals``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+from jssl.checkpoints import manager, weights
+from jssl.evaluation import evaluators
+from jssl.evaluation.results import load_json, make_writer, write_results
+
+FINISHED_FILE = "train_finished.json"  # written by the train engine when its last step is done
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Start-up checks: at least one evaluator, each entry's type and fields, the engines'
+    own checks for the evaluators that run the trunk, the settings of those that read
+    extracted features (their files are checked once extracted), and the follow fields."""
+    if not config.get("evals"):
+        raise ValueError(
+            "engine='evaluate' runs config.evals, which is empty: start from "
+            "--config=configs/evaluate.py:demo (or add entries with configs/evaluate.py's "
+            "entry(type))."
+        )
+    if not config.init.checkpoint:
+        raise ValueError(
+            "engine='evaluate' evaluates a trained model: set --config.init.checkpoint to a jssl "
+            "workdir, a checkpoints/<step> dir or a .torch/.pth file."
+        )
+    evaluators.check(config)
+    e = config.evaluate
+    for field in ("poll_seconds", "idle_minutes"):
+        value = e[field]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"evaluate.{field}={value!r} must be a number > 0.")
+    if e.follow and not os.path.isdir(os.path.expanduser(config.init.checkpoint)):
+        raise ValueError(
+            f"evaluate.follow=True follows a training workdir; init.checkpoint="
+            f"{config.init.checkpoint!r} is not a directory."
+        )
+    from jssl import engines
+    from jssl.evaluation import svm
+
+    for name, _, evaluator in evaluators.entries(config):
+        sub = evaluators.engine_config(config, name, config.init.checkpoint)
+        if evaluator.features:
+            if "svm" in evaluator.sections:
+                svm.check_settings(sub.svm)
+        else:
+            engines.validate(sub)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Evaluates ``init.checkpoint`` (or follows it); returns what results.json holds."""
+    validate(config)
+    results = load_json(os.path.join(workdir, "results.json")) or {}
+    timeline = results.get("timeline", [])
+    writer = make_writer(workdir)
+    if config.evaluate.follow:
+        timeline = _follow(config, workdir, timeline, writer)
+    else:
+        checkpoint = evaluators.resolve(config.init.checkpoint)
+        row = at_checkpoint(config, workdir, checkpoint, writer=writer)
+        timeline = [r for r in timeline if r["checkpoint"] != row["checkpoint"]] + [row]
+    writer.flush()
+    out = {"evaluator": "evaluate", "source": os.path.abspath(config.init.checkpoint)}
+    out["timeline"] = timeline
+    write_results(workdir, out)
+    return out
+
+
+def at_checkpoint(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    checkpoint: str,
+    *,
+    writer: Any = None,
+    epoch: int | None = None,
+    last: bool = True,
+) -> dict[str, Any]:
+    """Every due evaluator of ``config.evals`` on ``checkpoint`` (a step dir or weights file):
+    the timeline row ``{"checkpoint", "checkpoint_step", "evals"}``. ``epoch`` (training):
+    only entries due after that epoch run (``evaluators.due``), on the run's own model."""
+    training = epoch is not None
+    step = evaluators.checkpoint_step(checkpoint)
+    tag = f"step_{step}" if step is not None else os.path.basename(checkpoint.rstrip("/"))
+    base = os.path.join(workdir, "evals", tag)
+    names = [
+        name
+        for name, entry, _ in evaluators.entries(config)
+        if not training or evaluators.due(entry, epoch, last)
+    ]
+    features = _extract(config, base, checkpoint, names, training)
+    row: dict[str, Any] = {"checkpoint": os.path.abspath(checkpoint), "checkpoint_step": step}
+    row["evals"] = {}
+    from jssl import engines
+
+    for name in names:
+        evaluator = evaluators.get(config.evals[name], name)
+        sub = evaluators.engine_config(config, name, checkpoint, training=training)
+        if evaluator.features:
+            sub[evaluator.features].features_dir = features[_group(sub)]
+        out_dir = os.path.join(base, name)
+        done = load_json(os.path.join(out_dir, "results.json"))
+        if done is None:
+            engines.validate(sub)
+            logging.info("Evaluating %s (%s) on %s", name, sub.engine, checkpoint)
+            done = engines.engine_function(sub.engine)(sub, out_dir)
+            done = {k: v for k, v in done.items() if k != "state"}
+        record = {"protocol": evaluators.protocol(sub, name, evaluator, training)}
+        record["results"] = _jsonable(done)
+        row["evals"][name] = record
+        scalars = evaluators.figures(record["results"], f"evals/{name}/")
+        if writer is not None and scalars:
+            writer.write_scalars(step if step is not None else 0, scalars)
+        shown = ", ".join(f"{k.split('/', 2)[2]} {v:.2f}" for k, v in list(scalars.items())[:6])
+        logging.info("%s at step %s: %s", name, step, shown)
+    if not config.evaluate.get("keep_features", False):
+        for directory in set(features.values()):
+            if jax.process_index() == 0:
+                shutil.rmtree(directory, ignore_errors=True)
+    return row
+
+
+def validate_in_training(config: ml_collections.ConfigDict) -> None:
+    """The train engine's start-up checks of its ``evals`` (the model is the run's own)."""
+    from jssl.evaluation import svm
+
+    evaluators.check(config, training=True)
+    for name, _, evaluator in evaluators.entries(config):
+        sub = evaluators.engine_config(config, name, "", training=True)
+        if evaluator.features:
+            if "svm" in evaluator.sections:
+                svm.check_settings(sub.svm)
+        elif evaluator.engine == "knn":
+            from jssl.engines import knn
+
+            knn.check_config(sub)
+
+
+def after_epoch(
+    config: ml_collections.ConfigDict, workdir: str, step: int, epoch: int, last: bool, writer
+) -> None:
+    """Inside training, after epoch ``epoch``'s checkpoint (step ``step``) is saved: the due
+    evaluators on it, their figures in the run's TensorBoard at ``step`` and a timeline row
+    in ``workdir/evals/results.json``."""
+    if not any(evaluators.due(e, epoch, last) for _, e, _ in evaluators.entries(config)):
+        return
+    step_dir = os.path.join(manager.checkpoint_dir(workdir), str(step))
+    row = at_checkpoint(config, workdir, step_dir, writer=writer, epoch=epoch, last=last)
+    path = os.path.join(workdir, "evals", "results.json")
+    timeline = (load_json(path) or {}).get("timeline", [])
+    timeline = [r for r in timeline if r["checkpoint_step"] != step] + [row]
+    write_results(os.path.dirname(path), {"evaluator": "evaluate", "timeline": timeline})
+
+
+def mark_finished(workdir: str, step: int) -> None:
+    """The train engine's last word: a follower (``evaluate.follow``) stops after ``step``."""
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, FINISHED_FILE), "w") as f:
+            json.dump({"step": int(step), "time": time.time()}, f)
+
+
+def _group(sub: ml_collections.ConfigDict) -> str:
+    """Evaluators whose data and extraction settings agree share one extraction."""
+    d, e = sub.data, sub.extract
+    return json.dumps(
+        [d.source, d.name, d.data_dir, d.image_size, e.pool, e.batch_size], default=str
+    )
+
+
+def _extract(
+    config: ml_collections.ConfigDict, base: str, checkpoint: str, names, training: bool
+) -> dict[str, str]:
+    """One ``extract_features`` run per group of feature-reading evaluators: the union of
+    their layers and splits. Returns ``{group: features workdir}``."""
+    from jssl.engines import extract_features
+
+    groups: dict[str, tuple[ml_collections.ConfigDict, set, set]] = {}
+    for name in names:
+        evaluator = evaluators.get(config.evals[name], name)
+        if not evaluator.features:
+            continue
+        sub = evaluators.engine_config(config, name, checkpoint, training=training)
+        section = sub[evaluator.features]
+        first, layers, splits = groups.setdefault(_group(sub), (sub, set(), set()))
+        layers.update(section.layers)
+        splits.update(s for s in (section.train_split, section.test_split) if s)
+    out = {}
+    for number, (key, (sub, layers, splits)) in enumerate(sorted(groups.items())):
+        directory = os.path.join(base, f"features_{number}")
+        out[key] = directory
+        if os.path.exists(os.path.join(directory, "features", "config.json")):
+            continue  # extracted before an interruption
+        ext = copy.deepcopy(sub)
+        ext.engine = "extract_features"
+        ext.extract.layers = tuple(sorted(layers))
+        ext.extract.splits = tuple(sorted(splits))
+        logging.info(
+            "Extracting %s of %s from %s", ext.extract.layers, ext.extract.splits, checkpoint
+        )
+        extract_features.validate(ext)
+        extract_features.run(ext, directory)
+    return out
+
+
+def _follow(config, workdir: str, timeline: list, writer) -> list:
+    """Evaluates each complete checkpoint of the followed workdir once, oldest first."""
+    source = config.init.checkpoint
+    e = config.evaluate
+    done = {row["checkpoint_step"] for row in timeline}
+    idle_since = time.monotonic()
+    while True:
+        steps = _agreed(_complete_steps(source))
+        new = [s for s in steps if s not in done]
+        for step in new:
+            step_dir = os.path.join(manager.checkpoint_dir(source), str(step))
+            try:
+                row = at_checkpoint(config, workdir, step_dir, writer=writer)
+            except weights.WeightsError as err:
+                if os.path.isdir(os.path.join(step_dir, "state")):
+                    raise
+                logging.warning("Checkpoint %d was removed before it was evaluated: %s", step, err)
+                row = {"checkpoint": step_dir, "checkpoint_step": step, "skipped": "removed"}
+            timeline.append(row)
+            done.add(step)
+            write_results(
+                workdir, {"evaluator": "evaluate", "source": source, "timeline": timeline}
+            )
+            idle_since = time.monotonic()
+        if new:
+            continue
+        finished = load_json(os.path.join(source, FINISHED_FILE))
+        if finished is not None and finished.get("step") in done | {None}:
+            logging.info("The followed training finished at step %s.", finished.get("step"))
+            return timeline
+        if finished is not None and finished.get("step") not in steps:
+            logging.warning(
+                "The followed training finished at step %s, which has no checkpoint here.",
+                finished.get("step"),
+            )
+            return timeline
+        if time.monotonic() - idle_since > 60 * e.idle_minutes:
+            logging.warning(
+                "No new checkpoint in %s for %s minutes and no %s: stopping; rerun the same "
+                "command to go on following it.",
+                source,
+                e.idle_minutes,
+                FINISHED_FILE,
+            )
+            return timeline
+        time.sleep(e.poll_seconds)
+
+
+def _complete_steps(source: str) -> list[int]:
+    directory = manager.checkpoint_dir(source)
+    return [
+        s
+        for s in manager.saved_steps(source)
+        if os.path.isdir(os.path.join(directory, str(s), "state"))
+    ]
+
+
+def _agreed(steps: list[int]) -> list[int]:
+    """Process 0's list of steps on every process (a shared file system may show a new
+    checkpoint to one process before another; the evaluations are collective)."""
+    if jax.process_count() == 1:
+        return steps
+    padded = np.full(4096, -1, np.int64)
+    padded[: min(len(steps), 4096)] = steps[-4096:]
+    agreed = multihost_utils.broadcast_one_to_all(padded)
+    return [int(s) for s in agreed if s >= 0]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value

@@ -1,0 +1,163 @@
+"""Evaluators as configuration: ``config.evals`` entries, the evaluate engine on a checkpoint
+and following a training workdir, and the same evaluators run by the train engine. Figures
+are checked against the standalone engines on the same checkpoint (the evaluate engine must
+add nothing but the protocol), on the tiny "test" presets."""
+
+import json
+import os
+
+import pytest
+from support.launch import enable_compilation_cache, prepare_shared_dirs
+
+from configs import cluster as cluster_config
+from configs import evaluate as evaluate_config
+from configs import extract_features as extract_config
+from configs import knn as knn_config
+from configs import moco
+from configs import svm as svm_config
+from jssl import engines
+from jssl.engines import evaluate
+from jssl.evaluation import evaluators
+
+
+@pytest.fixture(scope="module")
+def shared_dirs(tmp_path_factory):
+    return prepare_shared_dirs(tmp_path_factory)
+
+
+def _train_config(shared_dirs, epochs: int):
+    config = moco.get_config("test")
+    config.data.data_dir = shared_dirs[0]
+    config.num_epochs = epochs
+    config.checkpoint.async_save = False
+    return config
+
+
+@pytest.fixture(scope="module")
+def trained(shared_dirs, tmp_path_factory):
+    """A MoCo "test" run of 2 epochs whose config evaluates kNN after every epoch and
+    k-means after the last: the train engine's own evaluators."""
+    enable_compilation_cache(shared_dirs[1])
+    config = _train_config(shared_dirs, 2)
+    config.evals.knn = evaluate_config.entry("knn", "test", every_epochs=1)
+    config.evals.cluster = evaluate_config.entry("cluster", "test")
+    workdir = str(tmp_path_factory.mktemp("moco_evals"))
+    engines.run(config, workdir)
+    return workdir
+
+
+def _evaluate_config(shared_dirs, checkpoint):
+    config = evaluate_config.get_config("test")
+    config.data.data_dir = shared_dirs[0]
+    config.init.checkpoint = checkpoint
+    return config
+
+
+def test_evaluate_equals_the_standalone_engines_and_records_the_protocol(
+    shared_dirs, trained, tmp_path
+):
+    config = _evaluate_config(shared_dirs, trained)
+    out = engines.run(config, str(tmp_path / "eval"))
+    with open(tmp_path / "eval" / "results.json") as f:
+        assert json.load(f) == json.loads(json.dumps(out))
+    (row,) = out["timeline"]
+    assert row["checkpoint_step"] == 8  # 2 epochs of 4 steps: the newest checkpoint
+    step_dir = os.path.join(trained, "checkpoints", "8")
+    assert row["checkpoint"] == step_dir
+    assert set(row["evals"]) == {"knn", "svm", "cluster"}
+    for name, record in row["evals"].items():
+        protocol = record["protocol"]
+        assert protocol["checkpoint_step"] == 8 and protocol["type"] == name
+        assert protocol["mode"].startswith("offline")
+        assert protocol["dataset"]["name"] == "jssl_demo"
+
+    # kNN straight from the checkpoint, as configs/knn.py:test runs it.
+    knn_cfg = knn_config.get_config("test")
+    knn_cfg.data.data_dir = shared_dirs[0]
+    knn_cfg.init.checkpoint = step_dir
+    alone = engines.run(knn_cfg, str(tmp_path / "knn"))
+    for k in knn_cfg.knn.ks:
+        assert row["evals"]["knn"]["results"][f"k{k}"] == alone[f"k{k}"]
+
+    # SVM and k-means on features extracted by hand.
+    ext = extract_config.get_config("test")
+    ext.data.data_dir = shared_dirs[0]
+    ext.init.checkpoint = step_dir
+    ext.extract.layers = ("avgpool",)
+    ext.extract.splits = ("test[:100]", "train[:256]")
+    engines.run(ext, str(tmp_path / "features"))
+    svm_cfg = svm_config.get_config("test")
+    svm_cfg.data.data_dir = shared_dirs[0]
+    svm_cfg.svm.features_dir = str(tmp_path / "features")
+    svm_cfg.svm.train_split, svm_cfg.svm.test_split = "train[:256]", "test[:100]"
+    svm_alone = engines.run(svm_cfg, str(tmp_path / "svm"))
+    got = row["evals"]["svm"]["results"]["layers"]["avgpool"]
+    assert got["mAP"] == svm_alone["layers"]["avgpool"]["mAP"]
+    assert got["top1"] == svm_alone["layers"]["avgpool"]["top1"]
+    cl_cfg = cluster_config.get_config("test")
+    cl_cfg.data.data_dir = shared_dirs[0]
+    cl_cfg.cluster.features_dir = str(tmp_path / "features")
+    cl_cfg.cluster.train_split, cl_cfg.cluster.test_split = "train[:256]", "test[:100]"
+    cl_alone = engines.run(cl_cfg, str(tmp_path / "cluster"))
+    assert evaluators.figures(row["evals"]["cluster"]["results"]) == evaluators.figures(
+        json.loads(json.dumps(cl_alone))
+    )
+    # The features were removed after use (evaluate.keep_features=False).
+    assert not [d for d in os.listdir(tmp_path / "eval" / "evals" / "step_8") if "features" in d]
+
+
+def test_training_runs_its_evaluators_on_its_checkpoints(trained):
+    with open(os.path.join(trained, "evals", "results.json")) as f:
+        timeline = json.load(f)["timeline"]
+    assert [row["checkpoint_step"] for row in timeline] == [4, 8]
+    assert set(timeline[0]["evals"]) == {"knn"}  # every_epochs=1
+    assert set(timeline[1]["evals"]) == {"knn", "cluster"}  # the last epoch: all
+    assert timeline[1]["evals"]["knn"]["protocol"]["mode"].startswith("inside training")
+    with open(os.path.join(trained, evaluate.FINISHED_FILE)) as f:
+        assert json.load(f)["step"] == 8
+
+
+def test_following_a_finished_run_evaluates_each_checkpoint_once(shared_dirs, trained, tmp_path):
+    config = _evaluate_config(shared_dirs, trained)
+    del config.evals["svm"], config.evals["cluster"]
+    config.evaluate.follow = True
+    workdir = str(tmp_path / "follow")
+    out = engines.run(config, workdir)
+    assert [row["checkpoint_step"] for row in out["timeline"]] == [4, 8]
+    first = out["timeline"][1]["evals"]["knn"]["results"]
+    # A rerun finds both evaluated and runs nothing again.
+    again = engines.run(config, workdir)
+    assert [row["checkpoint_step"] for row in again["timeline"]] == [4, 8]
+    assert again["timeline"][1]["evals"]["knn"]["results"] == first
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.evals.knn.update(type="nope"), "evals.knn.type='nope'"),
+        (lambda c: c.evals.knn.knn.update(temperature=0.0), "knn.temperature"),
+        (lambda c: c.evals.svm.svm.update(costs=()), "svm.costs"),
+        (lambda c: c.evals.knn.update(every_epochs=-1), "evals.knn.every_epochs"),
+        (lambda c: c.evals.svm.update(data={"nonsense": 1}), "evals.svm.data.nonsense"),
+    ],
+)
+def test_bad_entries_are_refused_before_anything_is_written(shared_dirs, tmp_path, edit, message):
+    config = _evaluate_config(shared_dirs, str(tmp_path))
+    edit(config)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        engines.run(config, str(tmp_path / "eval"))
+    assert not os.path.exists(tmp_path / "eval")
+
+
+def test_entries_carry_every_field_of_their_sections():
+    knn_entry = evaluate_config.entry("knn", "dino")
+    assert knn_entry.type == "knn" and knn_entry.every_epochs == 0
+    assert knn_entry.knn.to_dict() == {
+        **knn_config.get_config("dino").knn.to_dict(),
+        "features_dir": "",
+    }
+    svm_entry = evaluate_config.entry("svm", "voc07", with_data=True)
+    assert svm_entry.data.name == "voc/2007"
+    assert set(svm_entry.extract) == set(extract_config.get_config("").extract)
+    with pytest.raises(ValueError, match="Unknown evaluator type"):
+        evaluate_config.entry("nope")
