@@ -14,7 +14,7 @@ seed), per-class SVMs (``svm.*``: VISSL's settings, see configs/svm.py) train on
 per class of the train split and are tested on the whole test split; ``workdir/results.json``
 holds the mean, std, min and max over the samples for each layer and k, with the protocol.
 
-Presets: "" / "voc07" (VISSL's VOC07 low-shot: res4 and res5, k 1..96, 5 samples; needs the
+Presets: "" / "voc07" (VISSL's VOC07 low-shot: res4 and res5, k 1..96, 5 samples; on the
 multi-label targets configs/svm.py describes), "demo" (the demo features in
 runs/demo_features), "test" (tiny, for the test suite).
 """

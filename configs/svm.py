@@ -17,10 +17,9 @@ Presets: "" / "voc07" (VISSL's VOC07 benchmark: TFDS voc/2007, trainval -> test,
 res5 pooled as VISSL), "demo" (the demo data's features from configs/extract_features.py:demo
 in runs/demo_features), "test" (tiny, for the test suite).
 
-VOC07 needs multi-label targets, which the data layer and extract_features do not produce yet:
-TFDS voc/2007 has no "label" feature (it has "labels" and "labels_no_difficult"), the pipeline
-reads one class id per example, and extraction writes targets of shape (n,). The engine reads
-VISSL's (n, 20) targets (1 present, 0 absent, -1 difficult) once they are extracted.
+VOC07's targets are VISSL's (n, 20) matrix (1 present, 0 absent, -1 difficult only), which the
+data layer reads from TFDS voc/2007's "labels" and "labels_no_difficult" and extract_features
+writes (configs/transfer.py:voc2007,extract extracts them).
 """
 
 import ml_collections

@@ -24,7 +24,7 @@ class DecodedSplit:
     pixels: tf.Tensor  # uint8 [total pixels * 3]
     offsets: tf.Tensor  # int64 [N]
     shapes: tf.Tensor  # int64 [N, 3]
-    labels: tf.Tensor  # int32 [N]
+    labels: tf.Tensor  # int32 [N], or [N, C] multi-label targets (SplitSource.label_shape)
     readable: np.ndarray  # bool [N]
 
     def lookup(self, index: tf.Tensor) -> dict[str, tf.Tensor]:
@@ -44,7 +44,7 @@ def decode_split(source: SplitSource, describe: str) -> DecodedSplit:
         deterministic=True,
     )
     images = [np.zeros((0, 0, 3), np.uint8)] * size
-    labels = np.zeros(size, np.int32)
+    labels = np.zeros((size, *source.label_shape), np.int32)
     readable = np.zeros(size, bool)
     # Errors are dropped here and found as the indices that never arrive, so that the caller
     # decides what an unreadable example means (data.skip_corrupt).

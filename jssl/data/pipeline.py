@@ -350,7 +350,7 @@ def build_eval_dataset(
     padding = tf.data.Dataset.from_tensors(
         {
             "image": tf.zeros([size, size, 3], tf.float32),
-            "label": tf.constant(0, tf.int32),
+            "label": tf.zeros(source.label_shape, tf.int32),
             "index": tf.constant(-1, tf.int64),
             "mask": tf.constant(False),
         }

@@ -2,10 +2,11 @@
 
 A split is resolved once into a `SplitSource` that knows its size and can read any contiguous
 range [start, end) of it in a stable order, as raw records {"image": encoded bytes or a file path,
-"label", "index"}. Decoding is left to the pipeline (jssl.data.decoding) so that skipping and
-shuffling happen on cheap undecoded records. Dataset indices are positions in the stored split
-order (TFDS with shuffle_files=False; folders sorted by class then file name), so they are stable
-across runs.
+"label", "index"}; "label" is a class id, or for TFDS data with VOC's per-image labels VISSL's
+multi-label (C,) target (jssl.data.transfer). Decoding is left to the pipeline
+(jssl.data.decoding) so that skipping and shuffling happen on cheap undecoded records. Dataset
+indices are positions in the stored split order (TFDS with shuffle_files=False; folders sorted by
+class then file name), so they are stable across runs.
 
 Some sources can also read any single example (`random_access`): image folders, and TFDS datasets
 prepared in ArrayRecord files (`tfds build NAME --file_format=array_record`), read through TFDS's
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from absl import logging
 
-from jssl.data import backend, demo
+from jssl.data import backend, demo, transfer
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -68,8 +69,23 @@ class SplitSource:
             return int(self.labels.max()) + 1
         if self.kind == "demo":
             return len(demo.CLASS_NAMES)
+        if self.multi_label_classes:
+            return self.multi_label_classes
         label = self.builder.info.features["label"] if self.builder is not None else None
         return getattr(label, "num_classes", None)
+
+    @functools.cached_property
+    def multi_label_classes(self) -> int:
+        """C for TFDS data with VOC's per-image labels (jssl.data.transfer): each example's
+        label is then VISSL's (C,) target of 1 / 0 / -1; 0 for one class id per example."""
+        if self.kind != "tfds" or self.builder is None:
+            return 0
+        return transfer.multi_label_classes(self.builder.info.features)
+
+    @property
+    def label_shape(self) -> tuple[int, ...]:
+        """() for a class id per example, (C,) for multi-label targets."""
+        return (self.multi_label_classes,) if self.multi_label_classes else ()
 
     @property
     def base_num_examples(self) -> int:
@@ -91,12 +107,14 @@ class SplitSource:
         )
 
     def fetch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Encoded images (bytes objects) and int32 labels of examples `indices` (ArrayRecord)."""
+        """Encoded images (bytes objects) and int32 labels (class ids or multi-label targets) of
+        examples `indices` (ArrayRecord)."""
         if not self.array_record:
             raise ValueError(f"Split {self.split!r} is not stored in ArrayRecord files.")
         records = self._data_source.__getitems__([self.offset + int(i) for i in indices])
         images = np.asarray([r["image"] for r in records], dtype=object)
-        return images, np.asarray([r["label"] for r in records], np.int32)
+        labels = [transfer.example_label_np(r, self.multi_label_classes) for r in records]
+        return images, np.asarray(labels, np.int32).reshape(len(records), *self.label_shape)
 
     def fetch_records(self, indices: tf.data.Dataset) -> tf.data.Dataset:
         """Raw records {"image", "label", "index"} of a dataset of int64 indices (ArrayRecord),
@@ -106,7 +124,7 @@ class SplitSource:
         def chunk_records(chunk):
             images, labels = tf.numpy_function(self.fetch, [chunk], [tf.string, tf.int32])
             images.set_shape([None])
-            labels.set_shape([None])
+            labels.set_shape([None, *self.label_shape])
             return {"image": images, "label": labels, "index": chunk}
 
         ds = indices.batch(_FETCH_CHUNK)
@@ -140,7 +158,7 @@ class SplitSource:
         return ds.enumerate(start).map(
             lambda i, ex: {
                 "image": ex["image"],
-                "label": tf.cast(ex["label"], tf.int32),
+                "label": transfer.example_label(ex, self.multi_label_classes),
                 "index": tf.cast(i, tf.int64),
             }
         )
@@ -194,12 +212,9 @@ def _resolve_tfds(data_config, split: str) -> SplitSource:
 
     builder = _tfds_builder(data_config)
     split_infos = builder.info.splits
+    if split_infos and "+" in split:
+        return _resolve_tfds_sum(data_config, builder, split)
     if split_infos:
-        if "+" in split:
-            raise ValueError(
-                f"Split {split!r}: use a single (optionally sliced) split such as 'train' or "
-                "'train[:10%]', not a sum of splits."
-            )
         name = split.split("[", 1)[0].strip()
         if name not in split_infos:
             raise _unknown_split_error(data_config, split, split_infos.keys())
@@ -232,6 +247,26 @@ def _resolve_tfds(data_config, split: str) -> SplitSource:
     count = int(ds.reduce(np.int64(0), lambda n, _: n + 1))
     return SplitSource(
         kind="tfds", split=split, num_examples=count, builder=builder, sliceable=False
+    )
+
+
+def _resolve_tfds_sum(data_config, builder, split: str) -> SplitSource:
+    """A sum of (optionally sliced) splits, e.g. VOC07's "train+validation" (VISSL's trainval):
+    read in TFDS's order, ranges by skipping (no split slicing, no random access), indices
+    0..n-1 over the whole sum."""
+    split_infos = builder.info.splits
+    for part in split.split("+"):
+        if part.split("[", 1)[0].strip() not in split_infos:
+            raise _unknown_split_error(data_config, split, split_infos.keys())
+    try:
+        size = split_infos[split].num_examples
+    except (ValueError, AssertionError, KeyError) as e:
+        raise ValueError(
+            f"Split {split!r} of {builder.name} is not a valid TFDS split sum ({e}); write it as "
+            "'train+validation' or 'train[:50%]+validation'."
+        ) from e
+    return SplitSource(
+        kind="tfds", split=split, num_examples=size, builder=builder, sliceable=False
     )
 
 

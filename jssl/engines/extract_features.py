@@ -12,8 +12,10 @@ batch, so a split larger than host memory is fine; files are written under a tem
 name and renamed when complete, so an interrupted run leaves no half-written features.
 
 Output: ``workdir/features/<name>/<layer>_{features,targets,inds}.npy`` (float32
-features, int64 targets and indices) and ``<name>/split.json`` (which examples of which split
-the directory holds), plus ``workdir/features/config.json``. ``<name>`` is the split's name
+features, int64 targets and indices; multi-label data such as VOC07 has VISSL's (n, C) targets
+of 1 / 0 / -1, jssl.data.transfer, which jssl.evaluation.svm reads) and
+``<name>/split.json`` (which examples of which split the directory holds), plus
+``workdir/features/config.json``. ``<name>`` is the split's name
 for a whole split and ``<split>@<start>-<end>`` for a TFDS slice, in examples of the whole
 split ("test[10:20]" -> ``features/test@10-20``; see ``split_dir_name``), so extracting two
 slices of one split never writes one directory. ``inds`` are indices in the whole split
@@ -63,7 +65,12 @@ class _SplitWriter:
     """Memory-mapped ``.npy`` files of one split, filled at row = dataset index."""
 
     def __init__(
-        self, directory: str, shapes: Mapping[str, tuple[int, ...]], num: int, offset: int = 0
+        self,
+        directory: str,
+        shapes: Mapping[str, tuple[int, ...]],
+        num: int,
+        offset: int = 0,
+        label_shape: tuple[int, ...] = (),
     ):
         os.makedirs(directory, exist_ok=True)
         # Rows are positions in the (sliced) split; inds are indices in the base split.
@@ -73,7 +80,7 @@ class _SplitWriter:
         for layer, shape in shapes.items():
             for kind, dtype, row in (
                 ("features", np.float32, shape),
-                ("targets", np.int64, ()),
+                ("targets", np.int64, label_shape),
                 ("inds", np.int64, ()),
             ):
                 self.arrays[f"{layer}_{kind}"] = np.lib.format.open_memmap(
@@ -162,7 +169,8 @@ def _extract_split(
     mesh: jax.sharding.Mesh,
 ) -> dict[str, Any]:
     ecfg = config.extract
-    num = sources.resolve_split(config.data, split).num_examples
+    source = sources.resolve_split(config.data, split)
+    num = source.num_examples
     batch_size = ecfg.batch_size
     local_batch = batch_size // jax.process_count()
     num_batches = math.ceil(math.ceil(num / jax.process_count()) / local_batch)
@@ -181,7 +189,9 @@ def _extract_split(
         shapes,
     )
     offset = bounds.start if bounds is not None else 0
-    writer = _SplitWriter(directory, shapes, num, offset) if jax.process_index() == 0 else None
+    writer = None
+    if jax.process_index() == 0:
+        writer = _SplitWriter(directory, shapes, num, offset, source.label_shape)
     batches = eval_batches(config.data, split, batch_size, mesh)
     stream = features.iterate_features(lambda x: extract_fn(variables, x), batches)
 
