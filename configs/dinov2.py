@@ -76,6 +76,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.model.patch_size = 14
     c.model.image_size = 224
     c.model.drop_path_rate = 0.4
+    c.model.drop_path_uniform = True  # ssl_default_config.yaml: every block at the rate
     c.model.layerscale = 1e-5
     c.model.ffn = "swiglu"
     c.model.head_dims = ()

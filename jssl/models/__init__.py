@@ -10,6 +10,7 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
   image_size          ViT: the resolution its position embeddings are laid out for (224);
                       other input sizes resample them
   drop_path_rate      ViT stochastic depth of the last block (linear from 0 over the blocks)
+  drop_path_uniform   ViT: every block at drop_path_rate instead (DINOv2)
   pos_embed_init      ViT position embeddings: "learned" (timm, DINO) or "sincos" (MoCo v3)
   vit_depth           ViT blocks; 0 (default) for the size's own (fewer for tests and CPU demos)
   num_registers       ViT register tokens (Darcet et al. 2024); 0 for none
@@ -83,6 +84,7 @@ def default_config() -> ml_collections.ConfigDict:
     m.patch_size = 16
     m.image_size = 224
     m.drop_path_rate = 0.0
+    m.drop_path_uniform = False  # True: every block at drop_path_rate (DINOv2), not a ramp
     m.pos_embed_init = "learned"  # or "sincos": MoCo v3's fixed 2-D sin-cos values
     m.vit_depth = 0  # 0: the size's own depth (12 .. 40 blocks); fewer for tests and CPU demos
     m.num_registers = 0  # ViT register tokens after the class token (DINOv2 with registers: 4)
@@ -244,6 +246,7 @@ def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
         patch_size=patch,
         image_size=image_size,
         drop_path_rate=rate,
+        drop_path_uniform=bool(model_config.get("drop_path_uniform", False)),
         pos_embed_init=str(model_config.get("pos_embed_init", "learned")),
         dtype=_dtype(model_config.dtype),
         remat=_remat(model_config),

@@ -245,6 +245,7 @@ class VisionTransformer(nn.Module):
     image_size: int = 224
     mlp_dim: int = 0  # 0: 4 x embed_dim
     drop_path_rate: float = 0.0  # the last block's; block i's is rate * i / (depth - 1)
+    drop_path_uniform: bool = False  # every block at drop_path_rate (DINOv2's drop_path_uniform)
     # "learned" (timm, DINO: trunc-normal init, trained) or "sincos" (MoCo v3: fixed 2-D
     # sin-cos values; the method holds them fixed through the optimizer's freeze)
     pos_embed_init: str = "learned"
@@ -328,7 +329,9 @@ class VisionTransformer(nn.Module):
         taps: dict[str, jax.Array] = {}
         block_cls = remat_lib.wrap(Block, self.remat, static_argnums=(2,))
         for i in range(self.depth):
-            rate = self.drop_path_rate * i / max(self.depth - 1, 1)
+            rate = self.drop_path_rate
+            if not self.drop_path_uniform:
+                rate = rate * i / max(self.depth - 1, 1)
             keys = None
             if train and rate > 0:
                 if row_keys is None:

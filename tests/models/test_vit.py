@@ -200,6 +200,25 @@ def test_drop_path_masks_follow_the_example_not_the_batch():
         common.forward_crops(model, variables["params"], {}, crops, True)
 
 
+def test_uniform_drop_path_drops_the_first_block_too():
+    """The ramp gives block 0 rate 0 (a 1-block trunk never drops); ``drop_path_uniform``
+    (DINOv2) puts every block at the rate."""
+    images = jnp.asarray(np.random.default_rng(0).normal(size=(16, 16, 16, 3)), jnp.float32)
+    keys = jax.random.split(jax.random.key(1), 16)
+    outs = {}
+    for uniform in (False, True):
+        trunk = vit.VisionTransformer(
+            embed_dim=16, depth=1, num_heads=2, patch_size=4, image_size=16,
+            drop_path_rate=0.5, drop_path_uniform=uniform,
+        )  # fmt: skip
+        variables = trunk.init(jax.random.key(0), images, train=False)
+        train = trunk.apply(variables, images, train=True, row_keys=keys)["avgpool"]
+        evaluated = trunk.apply(variables, images, train=False)["avgpool"]
+        outs[uniform] = (np.asarray(train), np.asarray(evaluated))
+    np.testing.assert_allclose(*outs[False], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(*outs[True])
+
+
 def test_masked_and_kept_patches_registers_layerscale_swiglu():
     """The masked-image options: ``mask`` puts the mask token in place of masked patches before
     the position embeddings, ``keep`` sends only those patches through, registers are dropped
