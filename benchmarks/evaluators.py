@@ -1,9 +1,10 @@
-"""Throughput of the SVM, low-shot and k-means evaluators on random features.
+"""Throughput of the linear grid, SVM, low-shot and k-means evaluators on random features.
 
     python benchmarks/evaluators.py            # all three, sizes for 2 CPU cores (minutes)
     python benchmarks/evaluators.py --only=kmeans --kmeans_rows=1281167 --kmeans_clusters=1000
     python benchmarks/evaluators.py --only=svm --svm_classes=20 --svm_dim=8192   # VOC07 res5
     python benchmarks/evaluators.py --only=kmeans --sklearn   # and sklearn's Lloyd iteration
+    python benchmarks/evaluators.py --only=linear --linear_grids=1x1,5x1,5x2
 
 What runs is the evaluators' own code on clustered Gaussian features of ImageNet-like width
 (2048 dims, ResNet-50's avgpool):
@@ -20,6 +21,12 @@ What runs is the evaluators' own code on clustered Gaussian features of ImageNet
   calls after a compiling one) and the seconds of the k-means++ initialisation;
   ``--sklearn`` times ``sklearn.cluster.KMeans`` from the same centroids with
   ``max_iter=1`` (one Lloyd iteration and its final labelling pass) on the host too.
+
+- ``linear``: ``jssl.evaluation.linear``'s train step (the identity as the trunk) for grids of
+  learning rates x weight decays, one layer of ``--linear_dim`` features and
+  ``--linear_classes`` classes. Figure: training features per second after a compiling step
+  (the best of ``--repeats`` passes), and against one head (the grid shares the trunk forward
+  and the data pass; its heads cost what they cost).
 
 Each run prints its figures and writes benchmarks/results/evaluators.json (``--results``,
 ``--no_results``) with the command and the machine (benchmarks/results.py).
@@ -39,8 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from configs import linear_eval as linear_eval_config  # noqa: E402
 from jssl import parallel  # noqa: E402
-from jssl.evaluation import clustering, low_shot, svm  # noqa: E402
+from jssl.evaluation import clustering, linear, linear_grid, low_shot, svm  # noqa: E402
 
 
 def _features(n: int, dim: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -183,9 +191,73 @@ def _kmeans_rows(args) -> list[dict]:
     return rows
 
 
+def _linear_throughput(args, lrs: int, wds: int) -> float:
+    config = linear_eval_config.get_config("")
+    config.linear.layers, config.linear.num_classes = ("x",), args.linear_classes
+    config.linear.lrs = tuple(0.001 * 3**i for i in range(lrs))
+    config.linear.weight_decays = tuple(5e-4 * i for i in range(wds))
+    config.data.batch_size = batch = args.linear_batch
+    heads = linear.LinearHeads(("x",), args.linear_classes, bn_axis_name=parallel.DATA_AXIS)
+    shapes = {"x": (args.linear_dim,)}
+    sample = linear.sample_features(shapes)
+    params = jax.eval_shape(lambda: heads.init(jax.random.PRNGKey(0), sample, train=False))
+    grid = linear_grid.Grid.from_config(config)
+    grid_opt = linear_grid.GridOptimizer(config, grid, params["params"], args.linear_rows // batch)
+    mesh = parallel.make_mesh()
+    state = jax.jit(
+        lambda: linear.init_state(heads, grid_opt, shapes, jax.random.PRNGKey(0)),
+        out_shardings=parallel.replicated(mesh),
+    )()
+    step = linear.make_train_step(heads, grid_opt, mesh, lambda trunk, x: x)
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((args.linear_rows, args.linear_dim), dtype=np.float32)
+    labels = rng.integers(0, args.linear_classes, args.linear_rows).astype(np.int32)
+    batches = [
+        parallel.host_batch_to_global(
+            {"inputs": {"x": feats[i : i + batch]}, "label": labels[i : i + batch]}, mesh
+        )
+        for i in range(0, args.linear_rows - batch + 1, batch)
+    ]
+    state, metrics = step(state, {}, batches[0])  # compiles
+    jax.block_until_ready(metrics)
+    best = 0.0
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for b in batches:
+            state, metrics = step(state, {}, b)
+        jax.block_until_ready((state.params, metrics))
+        best = max(best, len(batches) * batch / (time.perf_counter() - start))
+    return best
+
+
+def _linear_rows(args) -> list[dict]:
+    rows, one = [], None
+    for spec in args.linear_grids.split(","):
+        lrs, wds = (int(v) for v in spec.split("x"))
+        fps = _linear_throughput(args, lrs, wds)
+        one = one or fps
+        print(
+            f"linear grid {lrs}x{wds} ({lrs * wds} heads) on {args.linear_rows} x "
+            f"{args.linear_dim}, {args.linear_classes} classes, batch {args.linear_batch}: "
+            f"{fps:,.0f} features/s ({fps / one:.2f}x the first grid's)"
+        )
+        rows.append(
+            {
+                "evaluator": "linear",
+                "shape": f"{args.linear_rows} x {args.linear_dim}, {args.linear_classes} classes",
+                "settings": f"grid {lrs} lrs x {wds} weight decays, batch {args.linear_batch}",
+                "features/s": results.rounded(fps),
+                "vs first grid": results.rounded(fps / one),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="svm,low_shot,kmeans", help="comma-separated subset")
+    parser.add_argument(
+        "--only", default="linear,svm,low_shot,kmeans", help="comma-separated subset"
+    )
     parser.add_argument("--svm_train", type=int, default=5011, help="VOC07 trainval's size")
     parser.add_argument("--svm_test", type=int, default=4952, help="VOC07 test's size")
     parser.add_argument("--svm_dim", type=int, default=2048)
@@ -199,15 +271,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls; the best counts")
     parser.add_argument("--chunk_rows", type=int, default=4096)
     parser.add_argument("--sklearn", action="store_true", help="also time sklearn's KMeans")
+    parser.add_argument("--linear_rows", type=int, default=4096)
+    parser.add_argument("--linear_dim", type=int, default=2048)
+    parser.add_argument("--linear_classes", type=int, default=1000)
+    parser.add_argument("--linear_batch", type=int, default=256)
+    parser.add_argument("--linear_grids", default="1x1,5x1,5x2", help="lrs x weight decays")
     results.add_flags(parser)
     args = parser.parse_args()
     only = {name.strip() for name in args.only.split(",")}
-    unknown = only - {"svm", "low_shot", "kmeans"}
+    unknown = only - {"linear", "svm", "low_shot", "kmeans"}
     if unknown:
-        parser.error(f"--only: unknown {sorted(unknown)}; use svm, low_shot, kmeans")
+        parser.error(f"--only: unknown {sorted(unknown)}; use linear, svm, low_shot, kmeans")
 
     _import_sklearn()
     rows = []
+    if "linear" in only:
+        rows.extend(_linear_rows(args))
     if "svm" in only:
         rows.append(_svm_row(args))
     if "low_shot" in only:

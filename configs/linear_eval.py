@@ -9,13 +9,21 @@ eval_resnet_8gpu_transfer_in1k_linear.yaml``).
   python launch.py --config=configs/linear_eval.py:demo --workdir=runs/demo_linear_cached \
       --config.linear.cached_features=runs/demo_features/features   # heads on cached features
 
-One BN -> linear head per layer in ``linear.layers`` (VISSL's eval_mlp), all trained at once;
-``workdir/results.json`` holds ``{"<layer>": {"top1": .., "top5": ..}, ...}`` on the test
-split. The model fields come from the evaluated workdir's config.json
-(jssl.checkpoints.source_model), so ``--config.init.checkpoint=<any method's workdir>`` is
-enough; a ``--config.model.*`` flag wins, and a PyTorch file uses this preset's model fields
-(ResNet-50 by default).
-``config.optim``, ``num_epochs`` and ``data.batch_size`` describe the training of the heads.
+One BN -> linear head (VISSL's eval_mlp) per layer in ``linear.layers`` and per point of
+``linear.lrs`` x ``linear.weight_decays``, all trained at once; each layer's head is chosen
+by top-1 on the held-out end of the train split (``linear.val_fraction``) and scored on the
+test split and on ``linear.extra_test_sets``. ``workdir/results.json`` holds
+``{"evaluator": "linear", "layers": {"<layer>": {"protocol", "selection", "top1", "top5",
+"grid", ...}}}`` (jssl/engines/linear_eval_record.py). The model fields come from the
+evaluated workdir's config.json (jssl.checkpoints.source_model), so
+``--config.init.checkpoint=<any method's workdir>`` is enough; a ``--config.model.*`` flag
+wins, and a PyTorch file uses this preset's model fields (ResNet-50 by default).
+``config.optim`` (its base_lr and weight_decay replaced by each grid point's), ``num_epochs``
+and ``data.batch_size`` describe the training of the heads.
+
+  python launch.py --config=configs/linear_eval.py --workdir=runs/moco_linear \
+      --config.init.checkpoint=runs/moco --config.linear.extra_test_sets='("imagenet_a:test",
+      "imagenet_r:test", "imagenet_v2/matched-frequency:test", "imagenet_sketch:test")'
 
 Presets: "" / "imagenet" (VISSL's ResNet-50 recipe), "demo" (the demos' ResNet on the demo
 data), "test" (tiny, for the test suite).
@@ -50,6 +58,22 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     lin.cached_features = ""
     lin.crop_scale = (0.08, 1.0)  # RandomResizedCrop of the training images (torchvision's)
     lin.sync_bn = True  # head BN statistics over the global batch (VISSL: SYNC_BN, apex)
+    # The grid (jssl/evaluation/linear_grid.py): one head per layer and (lr, weight decay),
+    # all trained at once. Base rates per optim.base_lr_batch_size (256) examples, scaled to
+    # data.batch_size as optim.base_lr is; () = optim.base_lr / optim.weight_decay alone.
+    # ImageNet: VISSL's 0.01 and a decade each way in steps of ~3x (DINOv2's grid spans
+    # 1e-5..0.1 for its heads without BN), at VISSL's weight decay.
+    lin.lrs = (0.001, 0.003, 0.01, 0.03, 0.1)
+    lin.weight_decays = (5e-4,)
+    # The share of the train split (its last examples) held out to choose each layer's point;
+    # the test split never chooses. 0: nothing held out, for a one-point grid only.
+    lin.val_fraction = 0.1
+    lin.report_all = False  # True: also record every point's test figures (labelled as such)
+    # "tfds_name:split" sets scored with the chosen heads after training on ImageNet (their
+    # labels are ImageNet's; -A and -R over their 200 classes), e.g.
+    # ("imagenet_v2/matched-frequency:test", "imagenet_a:test", "imagenet_r:test",
+    #  "imagenet_sketch:test"); each must be prepared in data.data_dir (`tfds build`).
+    lin.extra_test_sets = ()
 
     # VISSL: 32 per GPU x 8, RandomResizedCrop 224 + flip / Resize 256 CenterCrop 224.
     c.data.batch_size = 256
@@ -84,6 +108,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         c.data.batch_size = 256
         c.num_epochs = 6
         o.base_lr = 0.1
+        lin.lrs = (0.03, 0.1, 0.3)  # 0.1 alone before the grid (docs/evaluation.md)
         o.schedule = "cosine"
         o.update_interval = "step"
         c.test_every_epochs = 0
@@ -98,6 +123,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         c.data.test_split = "test[:100]"
         c.num_epochs = 1
         o.base_lr = 0.1
+        lin.lrs, lin.weight_decays, lin.val_fraction = (), (), 0.0  # one head, all of train
         c.test_every_epochs = 0
         c.log_every_steps = 2
         c.checkpoint.async_save = False

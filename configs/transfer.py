@@ -78,6 +78,10 @@ def get_config(arg: str = "cifar10,linear") -> ml_collections.ConfigDict:
         c = base.get_base_config()
         recipes.evaluation(c, "svm", "")
     set_data(c, dataset)
+    if evaluator == "linear" and "+" in dataset.train_split:
+        # A split sum (trainval) cannot be cut into a held-out tail: VISSL's one setting,
+        # nothing held out, as its trainval recipes train.
+        c.linear.lrs, c.linear.weight_decays, c.linear.val_fraction = (), (), 0.0
     if evaluator == "knn":
         c.knn.layer = LAYER
         c.knn.train_split, c.knn.test_split = dataset.train_split, dataset.test_split

@@ -46,6 +46,8 @@ SAFE_FIELDS = (
     "checkpoint.allow_config_change",
     "monitor.*",  # the collapse alarm reads the step's metrics, never the state
     "evals.*",  # evaluators read saved checkpoints, never the training state
+    "linear.report_all",  # a linear evaluation's extra records, not its training
+    "linear.extra_test_sets",
     "evaluate.*",
     "knn.*",  # the kNN monitor only reads the trunk (a changed one no longer matches
     # knn_random_init.json, computed once at the start of the workdir)

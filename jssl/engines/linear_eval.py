@@ -1,12 +1,31 @@
 """The linear_eval engine: VISSL's linear image-classification benchmark
 (``configs/config/benchmark/linear_image_classification/imagenet1k/
-eval_resnet_8gpu_transfer_in1k_linear.yaml``).
+eval_resnet_8gpu_transfer_in1k_linear.yaml``), over a grid of learning rates and weight
+decays chosen on held-out data, with ImageNet's robustness test sets.
 
 The trunk in ``init.checkpoint`` is frozen in eval mode (running BN statistics, no gradients);
 its taps in ``config.linear.layers`` are pooled (``config.linear.pool``, VISSL's
-``LINEAR_EVAL_FEAT_POOL_OPS_MAP``) and each feeds its own BN -> linear head (evaluation.linear).
-All heads train in one run with one optax optimizer (``config.optim``), each is tested on the
-test split, and ``workdir/results.json`` holds ``{"<layer>": {"top1": .., "top5": ..}, ...}``.
+``LINEAR_EVAL_FEAT_POOL_OPS_MAP``) and each feeds its own BN -> linear heads
+(evaluation.linear), one per point of ``linear.lrs`` x ``linear.weight_decays``
+(evaluation.linear_grid), all trained in one pass over the data with one trunk forward per
+batch. Then, per layer:
+
+- the head of best top-1 on the held-out part of the train split (``linear.val_fraction``,
+  engines.linear_eval_inputs) is chosen; the test split never chooses;
+- the chosen head is scored on the test split (and every point, labelled as not selected on,
+  with ``linear.report_all``) and on each ``linear.extra_test_sets`` entry (ImageNet-V2, -A,
+  -R, -Sketch from TFDS; -A and -R over their 200 classes, evaluation.robustness_sets).
+
+``workdir/results.json`` holds each figure next to its protocol (engines.linear_eval_record):
+data and splits, layer and pooling, every head setting, the checkpoint and the step the trunk
+came from, and how the figure was chosen. A one-point grid with ``linear.val_fraction=0``
+(the "test" preset) is VISSL's protocol as it was: one head per layer, nothing held out.
+
+VISSL trains one setting per run and reports the test split; DINOv2 trains a grid of
+learning rates and reports the best point on the split it also reports (its ImageNet
+``val_dataset``). Here the choice is made on data held out of the train split, so the
+reported test figure was not chosen on the test split; the heads train on the rest of the
+train split (90% by default), not all of it.
 
 With ``config.linear.cached_features`` (an ``extract_features`` workdir's ``features/``
 folder) the heads train on the already pooled features read from disk, with no trunk forward.
@@ -17,16 +36,14 @@ modes are in docs/evaluation.md).
 The loop in ``run`` is the train engine's in miniature, flat and with clu's periodic actions:
 one jitted, state-donating step over the mesh, the mean metrics every ``log_every_steps`` (and
 of the steps after an epoch's last full window), a checkpoint of the (small) head state at the
-end of every epoch and every ``checkpoint.every_steps``, a test phase every
-``test_every_epochs`` before the last, and a restart with the same workdir resumes where it
-left off.
+end of every epoch and every ``checkpoint.every_steps``, an evaluation phase every
+``test_every_epochs`` before the last (of the held-out part, or of the test split when
+nothing is held out), and a restart with the same workdir resumes where it left off.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -36,12 +53,12 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from jssl import data, engines, models, optim, parallel
+from jssl import engines, models, parallel
 from jssl.checkpoints import manager as checkpoint
-from jssl.evaluation import linear, pooling
-from jssl.evaluation.batches import eval_batches, from_host_batches
+from jssl.engines import linear_eval_inputs as inputs_lib
+from jssl.engines import linear_eval_record as record_lib
+from jssl.evaluation import linear, linear_grid, pooling, robustness_sets
 from jssl.evaluation.feature_store import load_features
-from jssl.evaluation.frozen import load_frozen_model
 from jssl.evaluation.results import make_writer, write_results
 from jssl.training import batches as batches_lib
 from jssl.training import probe
@@ -64,11 +81,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
     engines.check_positive(config, "log_every_steps")
     parallel.check_batch_divisible(config.data.batch_size)
     checkpoint.check_config(config.checkpoint)
+    linear_grid.check_config(config)
+    extra_sets = tuple(lcfg.extra_test_sets)
     if lcfg.cached_features:
+        if extra_sets:
+            raise ValueError(
+                f"linear.extra_test_sets={extra_sets} needs the trunk (the sets are read as "
+                "images), but linear.cached_features is set. Drop the cached features (set "
+                "--config.init.checkpoint) or --config.linear.extra_test_sets='()'."
+            )
         for split in (config.data.train_split, config.data.test_split):
             labels = load_features(lcfg.cached_features, split, layers[:1]).labels
             found = int(labels.max()) + 1 if len(labels) else 0
             _check_classes(config, f"The cached features of split {split!r} have", labels, found)
+            if split == config.data.train_split:  # the held-out part leaves a batch
+                limit = config.data.train_subset
+                n = min(len(labels), limit) if limit > 0 else len(labels)
+                inputs_lib.cached_splits(config, np.arange(n))
+        inputs_lib.check_cached_hold_out(config)
         return
     if not config.init.checkpoint:
         raise ValueError(
@@ -83,6 +113,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         found = probe.dataset_num_classes(config.data, split)
         if found is not None:
             _check_classes(config, f"The split {split!r} has", None, found)
+    inputs_lib.image_splits(config)  # the held-out part can be cut, and leaves a batch
+    if extra_sets:
+        _check_extra_sets(config, extra_sets)
 
 
 def _check_classes(
@@ -102,26 +135,64 @@ def _check_classes(
         )
 
 
+def _check_extra_sets(config: ml_collections.ConfigDict, extra_sets: tuple) -> None:
+    """Each set's labels must be the heads' classes, by name (ImageNet's WordNet ids)."""
+    if len(set(extra_sets)) != len(extra_sets):
+        raise ValueError(f"linear.extra_test_sets={extra_sets} lists a set twice.")
+    trained = robustness_sets.label_names_of(config.data, config.data.train_split)
+    for spec in extra_sets:
+        if not isinstance(spec, str):
+            raise ValueError(f"linear.extra_test_sets entry {spec!r} must be a string.")
+        names = inputs_lib.extra_set_label_names(config, spec)
+        if trained is None or tuple(trained) != tuple(names):
+            what = "unnamed classes" if trained is None else f"{len(trained)} other classes"
+            raise ValueError(
+                f"linear.extra_test_sets entry {spec!r} is labelled with {len(names)} classes "
+                f"({', '.join(names[:3])}, ...), but the heads are trained on {what} "
+                f"(data.source={config.data.source!r}, data.name={config.data.name!r}): its "
+                "labels would not index the heads' outputs. Train on the dataset the set "
+                "shares its labels with (ImageNet's: data.name='imagenet2012') or drop it "
+                "from linear.extra_test_sets."
+            )
+        robustness_sets.class_subset(robustness_sets.parse(spec)[0], names)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Trains the heads and returns ``{"results", "step", "state", "trunk_variables"}``."""
+    """Trains the heads; returns ``{"results": {layer: {"top1", "top5"}} (the chosen heads
+    on the test split), "record" (results.json), "step", "state", "trunk_variables"}``."""
     validate(config)
     lcfg = config.linear
     layers = tuple(lcfg.layers)
     mesh = parallel.make_mesh()
-    inputs = _cached_inputs(config, mesh) if lcfg.cached_features else _trunk_inputs(config, mesh)
+    if lcfg.cached_features:
+        inputs = inputs_lib.cached_inputs(config, mesh)
+    else:
+        inputs = inputs_lib.trunk_inputs(config, mesh)
+    grid = linear_grid.Grid.from_config(config)
     logging.info(
-        "Linear heads on %s",
+        "Linear heads on %s; grid of %d points (lrs %s x weight decays %s); train %s, "
+        "held out %s, test %s",
         ", ".join(f"{k}: {tuple(s)} ({int(np.prod(s))} dims)" for k, s in inputs.shapes.items()),
+        grid.size,
+        grid.lrs,
+        grid.weight_decays,
+        inputs.splits.train,
+        inputs.splits.held_out,
+        inputs.splits.test,
     )
+    if tuple(lcfg.lrs):
+        logging.info("optim.base_lr is not used: the grid's linear.lrs=%s are.", grid.lrs)
 
     heads = linear.LinearHeads(
         layers, lcfg.num_classes, bn_axis_name=parallel.DATA_AXIS if lcfg.sync_bn else None
     )
     plan = Plan.from_config(config, inputs.steps_per_epoch)
-    tx, schedule = _optimizer(config, heads, inputs.shapes, plan.steps_per_epoch)
     rng = jax.random.PRNGKey(config.seed)
+    sample = linear.sample_features(inputs.shapes)
+    head_params = jax.eval_shape(functools.partial(heads.init, train=False), rng, sample)
+    grid_opt = linear_grid.GridOptimizer(config, grid, head_params["params"], plan.steps_per_epoch)
     state = jax.jit(
-        lambda: linear.init_state(heads, tx, inputs.shapes, rng),
+        lambda: linear.init_state(heads, grid_opt, inputs.shapes, rng),
         out_shardings=parallel.replicated(mesh),
     )()
 
@@ -129,10 +200,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if resumed:
         logging.info("Resumed the linear heads from step %d.", int(state.step))
 
-    train_step = linear.make_train_step(heads, tx, schedule, mesh, inputs.features_fn)
-    eval_step = linear.make_eval_step(heads, mesh, inputs.features_fn)
+    train_step = linear.make_train_step(heads, grid_opt, mesh, inputs.features_fn)
+    eval_step = linear.make_eval_step(heads, grid, mesh, inputs.features_fn)
     trunk = inputs.trunk_variables
-    test = functools.partial(_test, config, eval_step, trunk, inputs)
+    evaluate = functools.partial(_evaluate, eval_step, trunk, grid, layers)
     writer = make_writer(workdir)
     report_progress = periodic_actions.ReportProgress(
         num_train_steps=plan.total_steps, writer=writer, every_steps=plan.log_every_steps
@@ -173,44 +244,32 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if step >= plan.max_steps:
             break
         if epoch_done and epoch + 1 in plan.test_epochs:  # the final heads: after the loop
-            scores = test(state)
-            logging.info("Test after epoch %d: %s", epoch + 1, scores)
-            writer.write_scalars(step, _test_scalars(scores))
+            _periodic_phase(writer, step, epoch, grid, evaluate, inputs, state)
     checkpoint.finish(manager)
     manager.close()
 
-    results = test(state)
-    for layer, scores in results.items():
-        logging.info(
-            "Linear eval %s: top-1 %.2f, top-5 %.2f", layer, scores["top1"], scores["top5"]
-        )
-    writer.write_scalars(step, _test_scalars(results))
+    record, results = _final(config, grid, heads, mesh, evaluate, inputs, state, step)
+    writer.write_scalars(step, _scalars(record))
     writer.flush()
-    write_results(workdir, results)
-    return {"results": results, "step": step, "state": state, "trunk_variables": trunk}
-
-
-def _optimizer(config: ml_collections.ConfigDict, heads: linear.LinearHeads, shapes, steps):
-    """The heads' optax transformation and its learning-rate schedule (``steps`` per epoch)."""
-    schedule = optim.build_schedule(
-        config.optim,
-        steps_per_epoch=steps,
-        num_epochs=config.num_epochs,
-        global_batch=config.data.batch_size,
-    )
-    rng = jax.random.PRNGKey(config.seed)
-    sample = {k: jax.ShapeDtypeStruct((1, *s), jnp.float32) for k, s in shapes.items()}
-    params_shape = jax.eval_shape(functools.partial(heads.init, train=False), rng, sample)
-    return optim.build_optimizer(config.optim, params_shape["params"], schedule), schedule
+    write_results(workdir, record)
+    return {
+        "results": results,
+        "record": record,
+        "step": step,
+        "state": state,
+        "trunk_variables": trunk,
+    }
 
 
 def _write_metrics(writer, *, progress: Progress, window: Window) -> None:
-    """Writes a window's mean training metrics; a non-finite loss ends the run."""
+    """Writes a window's mean training metrics; a non-finite loss (every grid point of a
+    layer diverged) ends the run."""
     scalars = window.mean()
     if not np.isfinite(scalars["loss"]):
         raise FloatingPointError(
-            f"The linear heads' loss is {scalars['loss']} at step {progress.step}; lower "
-            "--config.optim.base_lr."
+            f"The linear heads' loss is {scalars['loss']} at step {progress.step}: every "
+            "head of a layer diverged; lower --config.linear.lrs (or --config.optim.base_lr "
+            "when linear.lrs is empty)."
         )
     writer.write_scalars(progress.step, {f"train/{k}": v for k, v in scalars.items()})
 
@@ -220,127 +279,110 @@ def _save_in_epoch(manager, *, state, progress: Progress) -> None:
         checkpoint.save(manager, state, progress.next)
 
 
-def _test(config, eval_step, trunk, inputs: _Inputs, state) -> dict[str, dict[str, float]]:
-    """Top-1 and top-5 (in %) of every head on the test split."""
+def _evaluate(eval_step, trunk, grid, layers, batches, state, what: str):
+    """(summed counts, ``{layer: [{"top1", "top5"} per grid point]}``) over ``batches``."""
     totals = None
-    for batch in inputs.test_batches():
+    for batch in batches:
         out = eval_step(state, trunk, batch)
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     if totals is None:
-        raise ValueError(f"The test split {config.data.test_split!r} is empty.")
+        raise ValueError(f"The {what} is empty.")
     totals = jax.device_get(totals)
-    count = max(int(totals["count"]), 1)
-    return {
-        layer: {k: 100.0 * float(v) / count for k, v in totals[layer].items()}
-        for layer in config.linear.layers
+    return totals, linear_grid.point_scores(grid, totals, layers)
+
+
+def _periodic_phase(writer, step, epoch, grid, evaluate, inputs, state) -> None:
+    """Between epochs: the held-out part (every point), or the test split when nothing is
+    held out (a one-point grid, as VISSL's test phase every epoch)."""
+    held_out = inputs.splits.held_out is not None
+    batches = inputs.held_out_batches() if held_out else inputs.test_batches()
+    name = "held_out" if held_out else "test"
+    _, scores = evaluate(batches, state, f"{name} split")
+    logging.info("%s after epoch %d: %s", name, epoch + 1, scores)
+    scalars = {}
+    for layer, points in scores.items():
+        for p in grid.points:
+            prefix = f"{name}/{layer}" if grid.size == 1 else f"{name}/{layer}/{p.tag}"
+            scalars.update({f"{prefix}/{k}": v for k, v in points[p.index].items()})
+    writer.write_scalars(step, scalars)
+
+
+def _final(config, grid, heads, mesh, evaluate, inputs, state, step):
+    """Selection on the held-out part, the test split and the extra sets: (record, results)."""
+    lcfg, layers = config.linear, tuple(config.linear.layers)
+    held_out = None
+    if inputs.held_out_batches is not None:
+        held_out = evaluate(inputs.held_out_batches(), state, "held-out part")[1]
+    finite = linear_grid.finite_points(grid, state.params, layers)
+    chosen = linear_grid.select(grid, held_out, finite)
+    totals, test = evaluate(inputs.test_batches(), state, f"test split {inputs.splits.test!r}")
+    extra, set_steps = {}, {}
+    for spec in lcfg.extra_test_sets:
+        name, split = robustness_sets.parse(spec)
+        dcfg = inputs_lib.extra_set_config(config, name)
+        names = robustness_sets.label_names_of(dcfg, split)
+        classes = robustness_sets.class_subset(name, names)
+        if classes not in set_steps:  # one compiled step per class subset
+            set_steps[classes] = linear.make_eval_step(
+                heads, grid, mesh, inputs.features_fn, classes
+            )
+        step_fn = set_steps[classes]
+        batches = inputs_lib.image_batches(config, split, mesh, dcfg)
+        set_totals, set_scores = _evaluate(
+            step_fn, inputs.trunk_variables, grid, layers, batches, state, f"set {spec!r}"
+        )
+        extra[spec] = (classes, set_totals, set_scores)
+
+    record: dict[str, Any] = {
+        "evaluator": "linear",
+        "reference": record_lib.REFERENCE,
+        "layers": {},
     }
-
-
-@dataclasses.dataclass
-class _Inputs:
-    """What the loop needs from its input source (images + frozen trunk, or cached features)."""
-
-    features_fn: linear.FeaturesFn  # (trunk_variables, batch inputs) -> {layer: features}
-    trunk_variables: PyTree  # replicated; {} for cached features
-    shapes: dict[str, tuple[int, ...]]  # per-example feature shape of each layer
-    steps_per_epoch: int
-    train_batches: Callable[[int, int], Iterator[dict]]  # (epoch, start_step) -> batches
-    # every test example once, padded: global {"inputs", "label", "mask"} (evaluation.batches)
-    test_batches: Callable[[], Iterator[dict]]
-
-
-def _trunk_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
-    lcfg = config.linear
-    layers = tuple(lcfg.layers)
-    model, trunk = load_frozen_model(config, mesh, layers)
-    pools = pooling.layer_pools(lcfg.pool, layers)
-
-    def features_fn(trunk_variables: PyTree, images: jax.Array) -> dict[str, jax.Array]:
-        taps = model.apply(trunk_variables, images, train=False)
-        return pooling.pool_taps(taps, layers, pools, "linear.layers")
-
-    size = config.data.image_size
-    images = jax.ShapeDtypeStruct((1, size, size, 3), jnp.float32)
-    shapes = jax.eval_shape(features_fn, trunk, images)
-    train_data = linear.train_data_config(config.data, lcfg.crop_scale)
-    process_index, process_count = jax.process_index(), jax.process_count()
-
-    def train_batches(epoch: int, start_step: int) -> Iterator[dict]:
-        ds = data.build_train_dataset(
-            train_data,
-            seed=config.seed,
-            epoch=epoch,
-            start_step=start_step,
-            process_index=process_index,
-            process_count=process_count,
+    results = {}
+    for layer in layers:
+        point = chosen[layer]
+        figures = test[layer][point.index]
+        results[layer] = dict(figures)
+        entry = {
+            "protocol": record_lib.protocol(
+                config, inputs, grid, layer, point, steps=step, num_test=int(totals["count"])
+            ),
+            "selection": record_lib.selection(grid, inputs),
+            **figures,
+            "chosen": {"lr": point.lr, "weight_decay": point.weight_decay, "tag": point.tag},
+            "grid": record_lib.grid_rows(
+                grid, None if held_out is None else held_out[layer], finite[layer], point
+            ),
+        }
+        if lcfg.report_all:
+            entry["test_every_point"] = record_lib.all_points(grid, test[layer])
+        if extra:
+            entry["extra_test_sets"] = {
+                spec: record_lib.extra_set_record(
+                    spec, classes, lcfg.num_classes, set_totals, set_scores[layer][point.index]
+                )
+                for spec, (classes, set_totals, set_scores) in extra.items()
+            }
+        record["layers"][layer] = entry
+        shown = ", ".join(
+            f"{spec} {v['top1']:.2f}" for spec, v in entry.get("extra_test_sets", {}).items()
         )
-        for batch in ds.as_numpy_iterator():
-            yield {"inputs": batch["crops"][0][:, 0], "label": batch["label"]}
-
-    def test_batches() -> Iterator[dict]:
-        split, size = config.data.test_split, config.data.batch_size
-        for b in eval_batches(config.data, split, size, mesh):
-            yield {"inputs": b.batch["image"], "label": b.batch["label"], "mask": b.batch["mask"]}
-
-    return _Inputs(
-        features_fn=features_fn,
-        trunk_variables=trunk,
-        shapes={layer: tuple(s.shape[1:]) for layer, s in shapes.items()},
-        steps_per_epoch=data.steps_per_epoch(train_data, process_count),
-        train_batches=train_batches,
-        test_batches=test_batches,
-    )
-
-
-def _cached_inputs(config: ml_collections.ConfigDict, mesh) -> _Inputs:
-    lcfg = config.linear
-    layers = tuple(lcfg.layers)
-    train_set = load_features(lcfg.cached_features, config.data.train_split, layers)
-    test_set = load_features(lcfg.cached_features, config.data.test_split, layers)
-    train_feats, train_labels = train_set.features, train_set.labels
-    if config.data.train_subset > 0:  # VISSL DATA_LIMIT: the first N examples
-        train_feats = {k: v[: config.data.train_subset] for k, v in train_feats.items()}
-        train_labels = train_labels[: config.data.train_subset]
-    batch_size = config.data.batch_size
-    if len(train_labels) < batch_size:
-        raise ValueError(
-            f"{len(train_labels)} cached training examples are fewer than one batch of "
-            f"{batch_size}; lower --config.data.batch_size."
+        logging.info(
+            "Linear eval %s (%s): top-1 %.2f, top-5 %.2f%s",
+            layer,
+            point.tag,
+            figures["top1"],
+            figures["top5"],
+            f"; {shown}" if shown else "",
         )
-    process_index, process_count = jax.process_index(), jax.process_count()
-
-    def train_batches(epoch: int, start_step: int) -> Iterator[dict]:
-        return linear.cached_train_batches(
-            train_feats,
-            train_labels,
-            batch_size=batch_size,
-            seed=config.seed,
-            epoch=epoch,
-            start_step=start_step,
-            process_index=process_index,
-            process_count=process_count,
-        )
-
-    def test_batches() -> Iterator[dict]:
-        host_batches = linear.cached_eval_batches(
-            test_set.features,
-            test_set.labels,
-            batch_size=batch_size,
-            process_index=process_index,
-            process_count=process_count,
-        )
-        for b in from_host_batches(host_batches, mesh):
-            yield {name: b.batch[name] for name in ("inputs", "label", "mask")}
-
-    return _Inputs(
-        features_fn=lambda trunk_variables, feats: feats,
-        trunk_variables={},
-        shapes={layer: tuple(train_feats[layer].shape[1:]) for layer in layers},
-        steps_per_epoch=len(train_labels) // batch_size,
-        train_batches=train_batches,
-        test_batches=test_batches,
-    )
+    return record, results
 
 
-def _test_scalars(results: dict[str, dict[str, float]]) -> dict[str, float]:
-    return {f"test/{layer}/{k}": v for layer, scores in results.items() for k, v in scores.items()}
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The chosen heads' test figures (``test/<layer>/top1``) and the extra sets'."""
+    out = {}
+    for layer, entry in record["layers"].items():
+        out.update({f"test/{layer}/{k}": entry[k] for k in ("top1", "top5")})
+        for spec, figures in entry.get("extra_test_sets", {}).items():
+            out.update({f"extra/{spec}/{layer}/{k}": figures[k] for k in ("top1", "top5")})
+    return out

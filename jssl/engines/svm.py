@@ -89,7 +89,7 @@ def features_record(features_dir: str, layer: str) -> dict[str, Any]:
         image_size=config.get("data", {}).get("image_size"),
         data_source=config.get("data", {}).get("source"),
         dataset=config.get("data", {}).get("name") or config.get("data", {}).get("source"),
-        pool=_layer_pool(config.get("extract", {}).get("pool", "none"), layer),
+        pool=layer_pool(config.get("extract", {}).get("pool", "none"), layer),
     )
     if not match:
         record["checkpoint_step_note"] = (
@@ -99,7 +99,8 @@ def features_record(features_dir: str, layer: str) -> dict[str, Any]:
     return record
 
 
-def _layer_pool(spec: Any, layer: str) -> str:
+def layer_pool(spec: Any, layer: str) -> str:
+    """The pooling spec of ``layer`` in an extract/linear ``pool`` field ("a=spec;b=spec")."""
     if isinstance(spec, str) and "=" in spec:
         pairs = dict(item.split("=", 1) for item in spec.split(";") if item.strip())
         return {k.strip(): v.strip() for k, v in pairs.items()}.get(layer, "none")

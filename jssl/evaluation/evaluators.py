@@ -57,7 +57,7 @@ EVALUATORS: dict[str, Evaluator] = {
     "linear": Evaluator(
         "linear_eval",
         ("linear",),
-        selection="as the linear engine records it (its protocol.selection)",
+        selection="as the linear engine records it next to each layer's figures (selection)",
     ),
     "svm": Evaluator(
         "svm",
@@ -219,7 +219,7 @@ def figures(results: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     protocol records left out): what TensorBoard and the timeline show."""
     out: dict[str, float] = {}
     for key, value in results.items():
-        if key in ("protocol", "per_class", "reference"):
+        if key in ("protocol", "per_class", "reference", "chosen", "grid", "selection"):
             continue
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):

@@ -1,9 +1,10 @@
 """Linear classifiers on frozen features: VISSL's linear image-classification benchmark.
 
-One head per evaluated layer, all trained at once on the same batches (VISSL's
-``FEATURE_EVAL_SETTINGS`` with several ``eval_mlp`` heads and the
-``cross_entropy_multiple_output_single_target`` loss, which sums the heads' losses; the heads
-share no parameters, so the sum trains each one exactly as if it were alone).
+One head per evaluated layer and grid point (``linear_grid``: base learning rate x weight
+decay), all trained at once on the same batches (VISSL's ``FEATURE_EVAL_SETTINGS`` with
+several ``eval_mlp`` heads and the ``cross_entropy_multiple_output_single_target`` loss,
+which sums the heads' losses; the heads share no parameters, so the sum trains each one
+exactly as if it were alone).
 
 A head is VISSL's ``eval_mlp`` (``vissl/models/heads/linear_eval_mlp.py``): a BatchNorm over
 the channels of the pooled feature map (``nn.BatchNorm2d`` with its affine scale and bias,
@@ -32,6 +33,7 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jssl.evaluation import linear_grid
 from jssl.models.resnet import torch_linear_bias_init, torch_linear_kernel_init
 from jssl.parallel import DATA_AXIS
 
@@ -89,57 +91,85 @@ class LinearHeads(nn.Module):
 
 @struct.dataclass
 class LinearState:
-    """Everything linear evaluation trains (the heads), checkpointed with orbax."""
+    """Everything linear evaluation trains (the heads of every grid point), checkpointed
+    with orbax. ``params``, ``batch_stats`` and ``opt_state`` hold one entry per grid group
+    (``linear_grid.Grid.groups``: one weight decay each), ``{group: {layer: {"bn", "fc"}}}``,
+    every leaf stacked on a leading axis of the grid's learning rates."""
 
     step: jax.Array  # int32 scalar: optimizer updates so far
-    params: PyTree  # head parameters, {layer: {"bn": ..., "fc": ...}}
-    batch_stats: PyTree  # head batch-norm running statistics
+    params: PyTree
+    batch_stats: PyTree
     opt_state: PyTree
 
 
 def init_state(
     heads: LinearHeads,
-    tx: optax.GradientTransformation,
+    grid_opt: linear_grid.GridOptimizer,
     feature_shapes: Mapping[str, Sequence[int]],
     rng: jax.Array,
 ) -> LinearState:
-    """Fresh heads for features of ``feature_shapes`` (per example, without the batch axis)."""
-    sample = {layer: jnp.zeros((1, *shape), jnp.float32) for layer, shape in feature_shapes.items()}
-    variables = heads.init(rng, sample, train=False)
+    """Fresh heads for features of ``feature_shapes`` (per example, without the batch axis):
+    every grid point starts from the same heads, those ``heads.init(rng)`` gives."""
+    variables = heads.init(rng, sample_features(feature_shapes), train=False)
+    n = len(grid_opt.grid.lrs)
+    params, batch_stats, opt_state = {}, {}, {}
+    for j, group in enumerate(grid_opt.grid.groups):
+        params[group] = linear_grid.stack(variables["params"], n)
+        batch_stats[group] = linear_grid.stack(variables.get("batch_stats", {}), n)
+        opt_state[group] = grid_opt.init(j, params[group])
     return LinearState(
-        step=jnp.zeros((), jnp.int32),
-        params=variables["params"],
-        batch_stats=variables.get("batch_stats", {}),
-        opt_state=tx.init(variables["params"]),
+        step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats, opt_state=opt_state
     )
 
 
-def topk_correct(logits: jax.Array, labels: jax.Array, ks: Sequence[int] = (1, 5)) -> dict:
-    """Per-example booleans: is the label among the ``k`` highest logits, for each k."""
-    top = jax.lax.top_k(logits, min(max(ks), logits.shape[-1]))[1]
-    hits = top == labels[:, None]
-    return {f"top{k}": jnp.any(hits[:, :k], axis=1) for k in ks}
+def sample_features(feature_shapes: Mapping[str, Sequence[int]]) -> dict[str, jax.Array]:
+    return {layer: jnp.zeros((1, *shape), jnp.float32) for layer, shape in feature_shapes.items()}
+
+
+def topk_correct(
+    logits: jax.Array,
+    labels: jax.Array,
+    ks: Sequence[int] = (1, 5),
+    classes: Sequence[int] | None = None,
+) -> dict:
+    """Per-example booleans: is the label among the ``k`` highest logits, for each k. With
+    ``classes`` only those outputs compete (ImageNet-A/-R's 200 of ImageNet's 1000); a label
+    outside them is never found."""
+    if classes is not None:
+        kept = jnp.asarray(classes, jnp.int32)
+        top = kept[jax.lax.top_k(logits[..., kept], min(max(ks), len(classes)))[1]]
+    else:
+        top = jax.lax.top_k(logits, min(max(ks), logits.shape[-1]))[1]
+    hits = top == labels[..., None]
+    return {f"top{k}": jnp.any(hits[..., :k], axis=-1) for k in ks}
 
 
 def make_train_step(
     heads: LinearHeads,
-    tx: optax.GradientTransformation,
-    schedule: Callable[[jax.Array], jax.Array],
+    grid_opt: linear_grid.GridOptimizer,
     mesh: Mesh,
     features_fn: FeaturesFn,
 ) -> Callable[[LinearState, PyTree, Any], tuple[LinearState, dict[str, jax.Array]]]:
     """``(state, trunk_variables, batch) -> (state, metrics)``, jitted over ``mesh``.
 
     ``batch`` is ``{"inputs", "label"}`` sharded on ``data``; the heads and the trunk are
-    replicated. The state is donated, the trunk variables are not (they are reused).
+    replicated. The state is donated, the trunk variables are not (they are reused). One
+    trunk forward feeds every head; each group's heads run vmapped over the learning rates.
+
+    Metrics: ``{layer}/loss`` and ``{layer}/top1`` (train batch) of each head, under
+    ``{layer}/{point tag}/...`` when the grid has several points; ``learning_rate`` (or
+    ``learning_rate/lr<base>``) at the step; ``loss``, the sum over layers of each layer's
+    lowest finite loss, non-finite only when every point of a layer diverged.
     """
+    grid = grid_opt.grid
+    single = grid.size == 1
 
     def per_replica(state: LinearState, trunk: PyTree, batch: Any):
         feats = jax.lax.stop_gradient(features_fn(trunk, batch["inputs"]))
         labels = batch["label"]
 
-        def loss_fn(params):
-            variables = {"params": params, "batch_stats": state.batch_stats}
+        def loss_fn(params, batch_stats):
+            variables = {"params": params, "batch_stats": batch_stats}
             logits, mutated = heads.apply(variables, feats, train=True, mutable=["batch_stats"])
             per_head = {
                 layer: optax.softmax_cross_entropy_with_integer_labels(out, labels).mean()
@@ -147,23 +177,42 @@ def make_train_step(
             }
             return sum(per_head.values()), (per_head, logits, mutated["batch_stats"])
 
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss, (per_head, logits, batch_stats)), grads = grad_fn(state.params)
-        # Equal local batches: the mean of per-replica means is the global mean.
-        grads = jax.lax.pmean(grads, DATA_AXIS)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        # The heads share no parameters: the gradient of the summed loss is each head's own.
+        grad_fn = linear_grid.over_lrs(jax.value_and_grad(loss_fn, has_aux=True))
+        learning_rates = grid_opt.learning_rates(state.step)
+        params, batch_stats, opt_state = {}, {}, {}
+        losses: dict[str, list] = {layer: [] for layer in heads.layers}
+        metrics: dict[str, jax.Array] = {}
+        for j, group in enumerate(grid.groups):
+            (_, (per_head, logits, batch_stats[group])), grads = grad_fn(
+                state.params[group], state.batch_stats[group]
+            )
+            # Equal local batches: the mean of per-replica means is the global mean.
+            grads = jax.lax.pmean(grads, DATA_AXIS)
+            params[group], opt_state[group] = grid_opt.update(
+                j, grads, state.opt_state[group], state.params[group], learning_rates
+            )
+            for layer, out in logits.items():
+                top1 = 100.0 * jnp.mean(topk_correct(out, labels, (1,))["top1"], axis=-1)
+                losses[layer].append(per_head[layer])
+                for i in range(len(grid.lrs)):
+                    prefix = layer if single else f"{layer}/{grid.point(j, i).tag}"
+                    metrics[f"{prefix}/loss"] = per_head[layer][i]
+                    metrics[f"{prefix}/top1"] = top1[i]
         new_state = state.replace(
             step=state.step + 1,
-            params=optax.apply_updates(state.params, updates),
+            params=params,
             batch_stats=batch_stats,  # already global means under sync BN
             opt_state=opt_state,
         )
-        metrics = {"loss": loss}
-        for layer, out in logits.items():
-            metrics[f"{layer}/loss"] = per_head[layer]
-            metrics[f"{layer}/top1"] = 100.0 * jnp.mean(topk_correct(out, labels, (1,))["top1"])
-        metrics = jax.lax.pmean(metrics, DATA_AXIS)
-        metrics["learning_rate"] = schedule(state.step)
+        metrics, losses = jax.lax.pmean((metrics, losses), DATA_AXIS)
+        lowest = [jnp.min(_finite_or_inf(jnp.concatenate(v))) for v in losses.values()]
+        metrics["loss"] = sum(lowest)
+        if single:
+            metrics["learning_rate"] = learning_rates[0]
+        else:
+            for i, lr in enumerate(grid.lrs):
+                metrics[f"learning_rate/lr{lr:g}"] = learning_rates[i]
         return new_state, metrics
 
     sharded = jax.shard_map(
@@ -177,21 +226,42 @@ def make_train_step(
     return jax.jit(sharded, donate_argnums=0)
 
 
+def _finite_or_inf(x: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isfinite(x), x, jnp.inf)
+
+
 def make_eval_step(
-    heads: LinearHeads, mesh: Mesh, features_fn: FeaturesFn
+    heads: LinearHeads,
+    grid: linear_grid.Grid,
+    mesh: Mesh,
+    features_fn: FeaturesFn,
+    classes: Sequence[int] | None = None,
 ) -> Callable[[LinearState, PyTree, Any], dict]:
-    """``(state, trunk_variables, batch) -> {layer: {"top1", "top5"}, "count"}``: correct
-    predictions summed over the batch's real rows (``batch["mask"]``), heads in eval mode."""
+    """``(state, trunk_variables, batch) -> {group: {layer: {"top1", "top5"}}, "count"}``:
+    correct predictions of every grid point (arrays over the group's learning rates) summed
+    over the batch's real rows (``batch["mask"]``), heads in eval mode; with ``classes``,
+    only those outputs compete (``topk_correct``) and ``"in_classes"`` counts the rows whose
+    label is one of them."""
 
     def per_replica(state: LinearState, trunk: PyTree, batch: Any):
         feats = features_fn(trunk, batch["inputs"])
-        variables = {"params": state.params, "batch_stats": state.batch_stats}
-        logits = heads.apply(variables, feats, train=False)
         mask = batch["mask"].astype(jnp.int32)
+
+        def apply(params, batch_stats):
+            return heads.apply({"params": params, "batch_stats": batch_stats}, feats, train=False)
+
         out: dict[str, Any] = {"count": jnp.sum(mask)}
-        for layer, scores in logits.items():
-            correct = topk_correct(scores, batch["label"])
-            out[layer] = {k: jnp.sum(v.astype(jnp.int32) * mask) for k, v in correct.items()}
+        if classes is not None:  # rows whose label is one of the scored classes
+            known = jnp.isin(batch["label"], jnp.asarray(classes, jnp.int32))
+            out["in_classes"] = jnp.sum(known.astype(jnp.int32) * mask)
+        for group in grid.groups:
+            logits = linear_grid.over_lrs(apply)(state.params[group], state.batch_stats[group])
+            out[group] = {}
+            for layer, scores in logits.items():
+                correct = topk_correct(scores, batch["label"], classes=classes)
+                out[group][layer] = {
+                    k: jnp.sum(v.astype(jnp.int32) * mask, axis=-1) for k, v in correct.items()
+                }
         return jax.lax.psum(out, DATA_AXIS)
 
     sharded = jax.shard_map(

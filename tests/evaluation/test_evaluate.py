@@ -231,9 +231,11 @@ def test_linear_eval_end_to_end(shared_dirs, trained_workdir, tmp_path):
     workdir = str(tmp_path / "linear")
     summary = linear_eval.run(config, workdir)
     results = _read_results(workdir)
-    assert set(results) == set(config.linear.layers)
+    assert set(results["layers"]) == set(config.linear.layers)
     for layer in config.linear.layers:
-        assert 0.0 <= results[layer]["top1"] <= results[layer]["top5"] <= 100.0
+        record = results["layers"][layer]
+        assert 0.0 <= record["top1"] <= record["top5"] <= 100.0
+        assert record["protocol"]["source"]["checkpoint_step"] == 4
     assert summary["step"] == 64 // 16
     # The frozen trunk is the checkpoint's, bit for bit, after training the heads.
     saved = weights.load_variables(trained_workdir, moco.get_config("test"))

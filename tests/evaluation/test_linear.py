@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import pytest
 from support.launch import scalar_values
 
@@ -15,7 +14,7 @@ from configs import linear_eval as linear_eval_config
 from configs import moco
 from jssl import engines, models, optim, parallel
 from jssl.engines import linear_eval
-from jssl.evaluation import linear
+from jssl.evaluation import linear, linear_grid
 
 
 def _write_features(directory, split, layer, feats, labels):
@@ -73,12 +72,16 @@ def test_heads_learn_separable_blobs_and_resume(blob_features, tmp_path):
     workdir = str(tmp_path / "linear")
     summary = linear_eval.run(_cached_config(blob_features), workdir)
     with open(os.path.join(workdir, "results.json")) as f:
-        results = json.load(f)
-    assert set(results) == {"res5", "avgpool"}
+        record = json.load(f)
+    assert record["evaluator"] == "linear" and set(record["layers"]) == {"res5", "avgpool"}
+    assert record == summary["record"]
     for layer in ("res5", "avgpool"):
-        assert results[layer]["top1"] == pytest.approx(100.0), results
-        assert results[layer]["top5"] == pytest.approx(100.0)
-        assert results[layer] == summary["results"][layer]
+        results = record["layers"][layer]
+        assert results["top1"] == pytest.approx(100.0), results
+        assert results["top5"] == pytest.approx(100.0)
+        assert {k: results[k] for k in ("top1", "top5")} == summary["results"][layer]
+        assert results["selection"].startswith("none: a one-point grid")
+        assert [p["lr"] for p in results["grid"]] == [0.5] and results["grid"][0]["chosen"]
     assert summary["step"] == 4 * (256 // 32)
     assert os.path.isdir(os.path.join(workdir, "checkpoints", str(summary["step"])))
 
@@ -121,8 +124,8 @@ def test_logs_saves_tests_and_resumes_on_schedule(blob_features, tmp_path):
     assert summary["step"] == 24 and summary["results"] == expected["results"]
     assert _written_steps(resumed, "test/avgpool/top1") == [10, 16, 24]
     np.testing.assert_array_equal(
-        jax.device_get(summary["state"].params["res5"]["fc"]["kernel"]),
-        jax.device_get(expected["state"].params["res5"]["fc"]["kernel"]),
+        jax.device_get(summary["state"].params["wd0"]["res5"]["fc"]["kernel"]),
+        jax.device_get(expected["state"].params["wd0"]["res5"]["fc"]["kernel"]),
     )
 
 
@@ -183,14 +186,13 @@ def test_frozen_trunk_is_unchanged_and_heads_train():
 
     shapes = {k: v.shape[1:] for k, v in jax.eval_shape(features_fn, trunk, images).items()}
     heads = linear.LinearHeads(layers, 10, bn_axis_name=parallel.DATA_AXIS)
-    opt_config = linear_eval_config.get_config("test").optim
-    schedule = optim.build_schedule(opt_config, steps_per_epoch=5, num_epochs=1, global_batch=16)
-    state = linear.init_state(heads, optax.sgd(0.0), shapes, jax.random.PRNGKey(2))
-    tx = optim.build_optimizer(opt_config, state.params, schedule)
-    state = linear.init_state(heads, tx, shapes, jax.random.PRNGKey(2))
+    config = linear_eval_config.get_config("test")
+    config.data.batch_size = 16
+    grid_opt = grid_optimizer(config, heads, shapes, steps_per_epoch=5)
+    state = linear.init_state(heads, grid_opt, shapes, jax.random.PRNGKey(2))
     heads_before = jax.tree.map(np.array, state.params)
     mesh = parallel.make_mesh()
-    step = linear.make_train_step(heads, tx, schedule, mesh, features_fn)
+    step = linear.make_train_step(heads, grid_opt, mesh, features_fn)
     batch = parallel.host_batch_to_global({"inputs": images, "label": labels}, mesh)
     losses = []
     for _ in range(5):
@@ -203,18 +205,30 @@ def test_frozen_trunk_is_unchanged_and_heads_train():
     assert int(state.step) == 5
 
 
+def grid_optimizer(config, heads, shapes, steps_per_epoch):
+    """The grid's chains for ``heads`` on features of ``shapes``, as the engine builds them."""
+    sample = linear.sample_features(shapes)
+    params = jax.eval_shape(lambda: heads.init(jax.random.PRNGKey(0), sample, train=False))
+    grid = linear_grid.Grid.from_config(config)
+    return linear_grid.GridOptimizer(config, grid, params["params"], steps_per_epoch)
+
+
 def test_head_bn_is_not_weight_decayed_by_default():
     heads = linear.LinearHeads(("res5",), 3)
-    state = linear.init_state(heads, optax.sgd(0.1), {"res5": (2, 2, 4)}, jax.random.PRNGKey(0))
-    opt = linear_eval_config.get_config("").optim
+    config = linear_eval_config.get_config("")
+    grid_opt = grid_optimizer(config, heads, {"res5": (2, 2, 4)}, steps_per_epoch=1)
+    state = linear.init_state(heads, grid_opt, {"res5": (2, 2, 4)}, jax.random.PRNGKey(0))
+    one_head = jax.tree.map(lambda x: x[0], state.params["wd0"])
+    opt = config.optim
     mask = optim.weight_decay_mask(
-        state.params, regularize_bn=opt.regularize_bn, regularize_bias=opt.regularize_bias
+        one_head, regularize_bn=opt.regularize_bn, regularize_bias=opt.regularize_bias
     )
     assert mask["res5"]["bn"] == {"scale": False, "bias": False}
     assert mask["res5"]["fc"] == {"kernel": True, "bias": True}
-    # VISSL eval_mlp: BatchNorm2d over the channels of the pooled map, then Linear.
-    assert state.params["res5"]["bn"]["scale"].shape == (4,)
-    assert state.params["res5"]["fc"]["kernel"].shape == (16, 3)
+    # VISSL eval_mlp: BatchNorm2d over the channels of the pooled map, then Linear; one copy
+    # per grid learning rate (the ImageNet preset's five).
+    assert state.params["wd0"]["res5"]["bn"]["scale"].shape == (5, 4)
+    assert state.params["wd0"]["res5"]["fc"]["kernel"].shape == (5, 16, 3)
 
 
 def test_cached_batches_split_over_processes_and_cover_the_test_set():

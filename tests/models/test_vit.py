@@ -348,7 +348,7 @@ def test_knn_and_linear_eval_on_an_imported_vit(imported_file, tmp_path_factory,
     summary = linear_eval.run(config, str(tmp_path / "linear"))
     with open(os.path.join(tmp_path / "linear", "results.json")) as f:
         results = json.load(f)
-    assert set(results) == {"concat_cls4", "avgpool"}
+    assert set(results["layers"]) == {"concat_cls4", "avgpool"}
     # The frozen trunk is the file's, bit for bit, after the heads trained.
     expected = weights.read_torch(imported_file, config)["params"]["trunk"]
     trunk = jax.device_get(summary["trunk_variables"])["params"]["trunk"]
