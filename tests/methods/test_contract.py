@@ -120,8 +120,11 @@ def _perturbed(tree: Any, key: jax.Array, scale: float | None) -> Any:
 
 # Slow tier (JSSL_SLOW_TESTS=1): the ViT variants run the same method code as their ResNet
 # rows; their ViT steps are in CI elsewhere (DINO's: test_parallel.py's dino_vit row; MoCo
-# v3's: test_mocov3.py's frozen patch projection and momentum encoder tests).
-SLOW_CASES = ("dino_vit", "mocov3_vit")
+# v3's: test_mocov3.py's frozen patch projection and momentum encoder tests). For the CI's
+# time, also the methods whose real step their own files compile in CI: BYOL
+# (test_byol.py's EMA target), SimSiam (test_simsiam.py's stop-gradient) and MoCo v3
+# (test_mocov3.py, and test_parallel.py's mocov3 row on 1 and 4 devices).
+SLOW_CASES = ("dino_vit", "mocov3_vit", "byol", "simsiam", "mocov3")
 
 
 @pytest.mark.parametrize(

@@ -135,10 +135,10 @@ def test_every_method_has_a_run():
 
 
 # Slow tier (JSSL_SLOW_TESTS=1): runs whose method adds nothing to the engine's path that the
-# CI runs lack (SwAV's multi-crop and queue, DINO, Barlow Twins' terms, DeepCluster v2's
-# epoch-start k-means, MAE's pictures, MoCo and supervised elsewhere); their step is in
-# test_contract.py and their loss ranges are checked here.
-SLOW_RUNS = ("simclr", "byol", "mocov3", "simsiam", "vicreg", "ibot", "dinov2", "msn")
+# CI runs lack (SwAV's multi-crop and queue, Barlow Twins' terms, DeepCluster v2's epoch-start
+# k-means, MAE's pictures, MoCo and supervised elsewhere; DINO's ViT run is in test_dino.py);
+# their step is in test_contract.py and their loss ranges are checked here.
+SLOW_RUNS = ("simclr", "byol", "mocov3", "simsiam", "vicreg", "ibot", "dinov2", "msn", "dino")
 
 
 @pytest.mark.parametrize(

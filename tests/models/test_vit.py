@@ -334,6 +334,9 @@ def _vit_eval_config(module, shared_dirs, path):
     return config
 
 
+# Slow tier: the kNN and linear engines on ViT taps run in CI in tests/evaluation (a DINO ViT
+# workdir), and the import itself is checked against PyTorch in test_torch_import.py.
+@pytest.mark.slow
 def test_knn_and_linear_eval_on_an_imported_vit(imported_file, tmp_path_factory, tmp_path):
     shared_dirs = prepare_shared_dirs(tmp_path_factory)
     config = _vit_eval_config(knn_config, shared_dirs, imported_file)
