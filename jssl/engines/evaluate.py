@@ -94,7 +94,33 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     out = {"evaluator": "evaluate", "source": os.path.abspath(config.init.checkpoint)}
     out["timeline"] = timeline
     write_results(workdir, out)
+    if jax.process_index() == 0:
+        print(summary_table(timeline), flush=True)
     return out
+
+
+HEADLINES = ("top1", "mAP", "mean", "nmi", "ari", "accuracy")  # the figures the table shows
+
+
+def summary_table(timeline: list) -> str:
+    """The log's summary: one line per headline figure of every evaluator and checkpoint,
+    with the step, the dataset and split it was read from (results.json has the rest)."""
+    lines = ["step    evaluator   figure                          value  data"]
+    for row in timeline:
+        for name, record in row.get("evals", {}).items():
+            protocol = record["protocol"]
+            settings = protocol["settings"]
+            section = settings.get(protocol["type"], next(iter(settings.values()), {}))
+            split = section.get("test_split", "")
+            data = f"{protocol['dataset']['name']} {split}".strip()
+            for figure, value in evaluators.figures(record["results"]).items():
+                if figure.rsplit("/", 1)[-1] in HEADLINES:
+                    step = row.get("checkpoint_step")
+                    lines.append(
+                        f"{step if step is not None else '-':<7} {name:<11} {figure:<31} "
+                        f"{value:6.2f}  {data}"
+                    )
+    return "\n".join(lines)
 
 
 def at_checkpoint(

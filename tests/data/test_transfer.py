@@ -209,17 +209,9 @@ def test_linear_training_crops_on_mock_data(key, tmp_path):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The workdir of a one-epoch run of the tiny MoCo preset on the demo data."""
-    from support.launch import prepare_shared_dirs
+    from support.runs import tiny_trained_workdir
 
-    from configs import moco
-
-    config = moco.get_config("test")
-    config.data.data_dir = prepare_shared_dirs(tmp_path_factory)[0]
-    config.num_epochs, config.data.train_subset = 1, 32
-    config.checkpoint.async_save = False
-    workdir = str(tmp_path_factory.mktemp("trained"))
-    engines.run(config, workdir)
-    return workdir
+    return tiny_trained_workdir(tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -54,10 +54,12 @@ def _evaluate_config(shared_dirs, checkpoint):
 
 
 def test_evaluate_equals_the_standalone_engines_and_records_the_protocol(
-    shared_dirs, trained, tmp_path
+    shared_dirs, trained, tmp_path, capsys
 ):
     config = _evaluate_config(shared_dirs, trained)
     out = engines.run(config, str(tmp_path / "eval"))
+    table = capsys.readouterr().out  # the log's summary: a line per headline figure
+    assert "8       knn         k20/top1" in table and "jssl_demo test[:100]" in table
     with open(tmp_path / "eval" / "results.json") as f:
         assert json.load(f) == json.loads(json.dumps(out))
     (row,) = out["timeline"]

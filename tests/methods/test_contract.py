@@ -123,8 +123,9 @@ def _perturbed(tree: Any, key: jax.Array, scale: float | None) -> Any:
 # v3's: test_mocov3.py's frozen patch projection and momentum encoder tests). For the CI's
 # time, also the methods whose real step their own files compile in CI: BYOL
 # (test_byol.py's EMA target), SimSiam (test_simsiam.py's stop-gradient) and MoCo v3
-# (test_mocov3.py, and test_parallel.py's mocov3 row on 1 and 4 devices).
-SLOW_CASES = ("dino_vit", "mocov3_vit", "byol", "simsiam", "mocov3")
+# (test_mocov3.py, and test_parallel.py's mocov3 row on 1 and 4 devices); DINOv2, whose step
+# is iBOT's (its row here) with KoLeo and Sinkhorn, compiled in test_dinov2.py's terms tests.
+SLOW_CASES = ("dino_vit", "mocov3_vit", "byol", "simsiam", "mocov3", "dinov2")
 
 
 @pytest.mark.parametrize(

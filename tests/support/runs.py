@@ -29,6 +29,21 @@ def make_config(shared_dirs, **overrides):
     return config
 
 
+def tiny_trained_workdir(tmp_path_factory) -> str:
+    """The workdir of a one-epoch run of the tiny MoCo preset on 32 demo examples (a
+    checkpoint for the evaluation tests to read)."""
+    from jssl import engines
+    from support.launch import prepare_shared_dirs
+
+    config = moco.get_config("test")
+    config.data.data_dir = prepare_shared_dirs(tmp_path_factory)[0]
+    config.num_epochs, config.data.train_subset = 1, 32
+    config.checkpoint.async_save = False
+    workdir = str(tmp_path_factory.mktemp("trained"))
+    engines.run(config, workdir)
+    return workdir
+
+
 def checkpoint_steps(workdir) -> list[int]:
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):

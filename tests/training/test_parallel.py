@@ -76,9 +76,11 @@ PARITY = {
     "dino_accum": "the centre and the teacher's targets over every micro-batch of every device",
 }
 # Slow tier (JSSL_SLOW_TESTS=1), with the CI row that holds what each adds: DINO on the ResNet
-# (the centre: dino_vit; the teacher's synchronised BN statistics: mocov3's momentum encoder)
-# and SimSiam (synchronised BN of each view: mocov3; its collapse monitor is a logged metric).
-SLOW = ("dino", "simsiam")
+# (the centre: dino_vit; the teacher's synchronised BN statistics: mocov3's momentum encoder),
+# SimSiam (synchronised BN of each view: mocov3; its collapse monitor is a logged metric) and
+# LARC (its trust ratios over split parameters: the optimizer on split state is every row's;
+# LARC's own norms are tests/optim's).
+SLOW = ("dino", "simsiam", "moco_larc")
 # The 4-device runs split the state (parallel.shard_params, every kernel of the tiny models):
 # parameters gathered for the forward pass, gradients reduce-scattered, the optimizer and
 # after_update (EMA, queues, SwAV's prototype normalisation) on the split arrays. The
