@@ -215,6 +215,16 @@ def mark_finished(workdir: str, step: int) -> None:
             json.dump({"step": int(step), "time": time.time()}, f)
 
 
+def pool_of(spec: str, layers) -> str:
+    """An extraction's pooling spec cut to ``layers``: a per-layer spec ("res4=avg;res5=avg")
+    keeps only theirs (extraction refuses pooling for a layer it does not extract)."""
+    if not isinstance(spec, str) or "=" not in spec:
+        return spec
+    items = [item.strip() for item in spec.split(";") if item.strip()]
+    kept = [item for item in items if item.split("=", 1)[0].strip() in set(layers)]
+    return ";".join(kept) or "none"
+
+
 def _group(sub: ml_collections.ConfigDict) -> str:
     """Evaluators whose data and extraction settings agree share one extraction."""
     d, e = sub.data, sub.extract
@@ -249,6 +259,7 @@ def _extract(
         ext = copy.deepcopy(sub)
         ext.engine = "extract_features"
         ext.extract.layers = tuple(sorted(layers))
+        ext.extract.pool = pool_of(ext.extract.pool, layers)
         ext.extract.splits = tuple(sorted(splits))
         logging.info(
             "Extracting %s of %s from %s", ext.extract.layers, ext.extract.splits, checkpoint

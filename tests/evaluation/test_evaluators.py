@@ -163,3 +163,10 @@ def test_entries_carry_every_field_of_their_sections():
     assert set(svm_entry.extract) == set(extract_config.get_config("").extract)
     with pytest.raises(ValueError, match="Unknown evaluator type"):
         evaluate_config.entry("nope")
+
+
+def test_a_per_layer_pooling_spec_is_cut_to_the_extracted_layers():
+    spec = "res3=avg:4,4,0;res4=avg:4,2,0;res5=avg:2,2,0"
+    assert evaluate.pool_of(spec, ["res4", "avgpool"]) == "res4=avg:4,2,0"
+    assert evaluate.pool_of(spec, ["avgpool"]) == "none"
+    assert evaluate.pool_of("vissl_resnet50", ["res5"]) == "vissl_resnet50"
