@@ -109,12 +109,12 @@ def summary_table(timeline: list) -> str:
     for row in timeline:
         for name, record in row.get("evals", {}).items():
             protocol = record["protocol"]
-            settings = protocol["settings"]
-            section = settings.get(protocol["type"], next(iter(settings.values()), {}))
-            split = section.get("test_split", "")
+            sections = [v for v in protocol["settings"].values() if isinstance(v, dict)]
+            split = next((v["test_split"] for v in sections if v.get("test_split")), "")
             data = f"{protocol['dataset']['name']} {split}".strip()
             for figure, value in evaluators.figures(record["results"]).items():
-                if figure.rsplit("/", 1)[-1] in HEADLINES:
+                parts = figure.split("/")
+                if parts[-1] in HEADLINES and "value" not in parts:  # value: a repeat
                     step = row.get("checkpoint_step")
                     lines.append(
                         f"{step if step is not None else '-':<7} {name:<11} {figure:<31} "
