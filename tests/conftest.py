@@ -18,21 +18,14 @@ if os.environ.get("JSSL_TEST_XLA_OPT") != "1":
 
 import pytest  # noqa: E402
 
-# Files that take minutes (subprocess runs on 1, 2 and 4 devices, many compiled steps), longest
-# first. They are collected first, so that under pytest-xdist (``-n 2 --dist loadfile``) the
-# short files even out the two workers at the end instead of one worker running a long file
-# alone while the other waits.
+# Files that take minutes (subprocess runs on 1, 2 and 4 devices). They are collected first,
+# so that under pytest-xdist (``-n 2 --dist loadfile``) the other worker runs the rest
+# meanwhile instead of one worker running them alone at the end.
 LONGEST_FIRST = (
     "test_parallel.py",
     "test_contract.py",
-    "test_train.py",
-    "test_checkpoint.py",
-    "test_dino.py",
-    "test_accumulation.py",
-    "test_multihost_train.py",
     "test_contract_runs.py",
-    "test_device_augment.py",
-    "test_vit.py",
+    "test_multihost_train.py",
     "test_launch.py",
     "test_package.py",
     "test_verify.py",

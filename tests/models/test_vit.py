@@ -171,6 +171,9 @@ def test_drop_path_drops_whole_examples():
         layer.apply({}, x, train=True)
 
 
+# Slow tier: CI holds the same at the step's level (test_parallel.py's dino_vit row on 1 and 4
+# devices, its simclr_accum row over micro-batches, both with drop path).
+@pytest.mark.slow
 def test_drop_path_masks_follow_the_example_not_the_batch():
     """Stochastic depth keyed by (step, crop, example index): an example's features are the
     same in any batch it is part of (another device count, another micro-batch)."""
