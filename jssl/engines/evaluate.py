@@ -190,6 +190,25 @@ def validate_in_training(config: ml_collections.ConfigDict) -> None:
             from jssl.engines import knn
 
             knn.check_config(sub)
+        _check_splits(sub, name, evaluator)
+
+
+def _check_splits(sub: ml_collections.ConfigDict, name: str, evaluator) -> None:
+    """Every split an evaluator will read resolves now, not after the first epoch's save."""
+    from jssl import data
+
+    section = evaluator.features or ("knn" if evaluator.engine == "knn" else "data")
+    for field in ("train_split", "test_split"):
+        split = sub[section][field]
+        if not split:
+            continue
+        try:
+            data.num_examples(sub.data, split)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(
+                f"evals.{name}: {section}.{field}={split!r} cannot be read ({e}); fix "
+                f"--config.evals.{name}.{section}.{field} or remove the entry."
+            ) from e
 
 
 def after_epoch(

@@ -170,3 +170,12 @@ def test_a_per_layer_pooling_spec_is_cut_to_the_extracted_layers():
     assert evaluate.pool_of(spec, ["res4", "avgpool"]) == "res4=avg:4,2,0"
     assert evaluate.pool_of(spec, ["avgpool"]) == "none"
     assert evaluate.pool_of("vissl_resnet50", ["res5"]) == "vissl_resnet50"
+
+
+def test_a_training_evaluator_whose_split_is_missing_is_refused_at_start(shared_dirs, tmp_path):
+    config = _train_config(shared_dirs, 1)
+    config.evals.knn = evaluate_config.entry("knn", "test")
+    config.evals.knn.knn.test_split = "nope"
+    with pytest.raises(ValueError, match=r"evals\.knn: knn\.test_split='nope' cannot be read"):
+        engines.run(config, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")
