@@ -1,7 +1,7 @@
 """The TFDS builder "jssl_demo": the demo images of jssl.data.demo stored as a TFDS dataset.
 
 Importing this module registers the builder (it imports tensorflow_datasets); the tf.data
-pipeline prepares it on first use (jssl.data.sources). The images are demo.make_example's, so
+pipeline prepares it on first use (jssl.data.tfds_source). The images are demo.make_example's, so
 the numpy pipeline, which needs no TensorFlow, reads the same dataset.
 """
 
