@@ -46,6 +46,7 @@ from jssl.training import state as train_state
 from jssl.training.fresh import abstract_state as abstract_state  # re-exported for callers
 from jssl.training.fresh import init_state
 from jssl.training.progress import Plan, Progress, Window
+from jssl.training.progress import steps_per_epoch as split_steps_per_epoch
 from jssl.training.step import make_forward, make_train_step, stop_flags
 
 # Raised when the loss, the gradients or the state become non-finite (named here by the tests).
@@ -145,7 +146,7 @@ def run(
     # before anything is saved.
     with preemption.Preemption() as stop_request, contextlib.ExitStack() as cleanup:
         mesh = parallel.make_mesh()
-        plan = Plan.from_config(config, steps_per_epoch or _steps_per_epoch(config))
+        plan = Plan.from_config(config, steps_per_epoch or split_steps_per_epoch(config))
         if batches is None:
             logging.info("Training order: %s.", data.train_order(config.data))
         method = methods.get(config, plan.steps_per_epoch)
@@ -409,14 +410,3 @@ def _start_state(config: ml_collections.ConfigDict, workdir: str, method, tx, me
     elif config.init.checkpoint:
         state = warm_start.init_train_state(config, state)
     return manager, state, position, resumed
-
-
-def _steps_per_epoch(config: ml_collections.ConfigDict) -> int:
-    steps_per_epoch = data.steps_per_epoch(config.data, jax.process_count())
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"The train split has {data.num_examples(config.data, config.data.train_split)} "
-            f"examples, fewer than one global batch (data.batch_size={config.data.batch_size}); "
-            "lower --config.data.batch_size or use more data (data.train_subset)."
-        )
-    return steps_per_epoch

@@ -9,8 +9,10 @@ import dataclasses
 import time
 from typing import Any
 
+import jax
 import ml_collections
 
+from jssl import data
 from jssl.checkpoints.manager import DataPosition
 from jssl.training import summaries
 
@@ -96,3 +98,16 @@ class Window:
         scalars = summaries.mean_metrics(self.metrics)
         scalars.pop("stop", None)
         return scalars
+
+
+def steps_per_epoch(config: ml_collections.ConfigDict) -> int:
+    """Global batches per epoch of ``config.data``'s train split (the plan's and the
+    method's schedules count in them); a split smaller than one batch is refused."""
+    steps = data.steps_per_epoch(config.data, jax.process_count())
+    if steps < 1:
+        raise ValueError(
+            f"The train split has {data.num_examples(config.data, config.data.train_split)} "
+            f"examples, fewer than one global batch (data.batch_size={config.data.batch_size}); "
+            "lower --config.data.batch_size or use more data (data.train_subset)."
+        )
+    return steps
