@@ -9,20 +9,32 @@ checkpoint of a training run as it appears (docs/evaluation.md, "Evaluators as c
 
 Each entry is built by ``entry(type, preset)`` with every field of the evaluator's sections
 taken from its own config file's preset (configs/knn.py, linear_eval.py, svm.py, low_shot.py,
-cluster.py; the extraction settings of feature-reading ones from extract_features.py), so any
-field can be changed on the command line (``--config.evals.knn.knn.k=50``) and config.json
-records all of them. A training config adds entries the same way (``c.evals.knn =
-evaluate.entry("knn", "demo")``): they then run on the checkpoints the training saves.
+cluster.py, test_loss.py; the extraction settings of feature-reading ones from
+extract_features.py), so any field can be changed on the command line
+(``--config.evals.knn.knn.k=50``) and config.json records all of them. A training config adds
+entries the same way (``c.evals.knn = evaluate.entry("knn", "demo")``): they then run on the
+checkpoints the training saves.
 
 Presets: "" (ImageNet: DINO's kNN and VISSL's linear protocol on res5/avgpool), "demo" (kNN,
-SVM, low-shot and k-means on the demo data), "test" (tiny, for the test suite).
+SVM, low-shot, k-means and the method's test loss on the demo data), "test" (tiny, for the
+test suite).
 """
 
 import copy
 
 import ml_collections
 
-from configs import base, cluster, extract_features, knn, linear_eval, low_shot, recipes, svm
+from configs import (
+    base,
+    cluster,
+    extract_features,
+    knn,
+    linear_eval,
+    low_shot,
+    recipes,
+    svm,
+    test_loss,
+)
 
 PRESETS = ("", "imagenet", "demo", "test")
 
@@ -41,6 +53,7 @@ FIELDS = {
     "svm": ("svm", "extract"),
     "low_shot": ("svm", "low_shot", "extract"),
     "cluster": ("cluster", "extract"),
+    "test_loss": ("test_loss",),
 }
 _SOURCES = {
     "knn": knn.get_config,
@@ -48,6 +61,7 @@ _SOURCES = {
     "svm": svm.get_config,
     "low_shot": low_shot.get_config,
     "cluster": cluster.get_config,
+    "test_loss": test_loss.get_config,
 }
 
 
@@ -91,6 +105,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         c.evals.svm = entry("svm", "demo")
         c.evals.low_shot = entry("low_shot", "demo")
         c.evals.cluster = entry("cluster", "demo")
+        c.evals.test_loss = entry("test_loss", "demo")
     elif preset == "test":
         c.evals.knn = entry("knn", "test")
         c.evals.svm = entry("svm", "test")

@@ -16,7 +16,7 @@ from absl import logging
 
 from jssl.checkpoints import workdir as workdir_lib
 
-ENGINES = ("extract_features", "knn", "linear_eval", "export", "evaluate")
+ENGINES = ("extract_features", "knn", "linear_eval", "export", "evaluate", "test_loss")
 
 
 def source_path(config: ml_collections.ConfigDict, workdir: str) -> str:

@@ -11,7 +11,7 @@ Sources (``init.checkpoint``):
   ``.safetensors`` file of either (read without torch; what ``configs/export.py`` writes): the
   trunk comes from the file, the head stays randomly initialised.
 
-Two users:
+Three users:
 
 - ``load_variables(path, config)``: ``{"params", "batch_stats"}`` of the online model for the
   evaluation engines; every array must fit the configured model. With ``trunk_only=True``
@@ -21,6 +21,8 @@ Two users:
 - ``checkpoints.warm_start.init_train_state(config, state)``: a fresh TrainState started from those
   weights, for the train engine when its workdir has nothing to resume; it reads through
   ``read_newest``, ``saved_shapes``, ``read_arrays`` and ``read_torch`` here.
+- ``read_state_fields(path, target, config)``: the whole trained state but its optimizer (the
+  teacher, the queue, the centre), for the test-loss evaluator (the method's own loss).
 
 Given a workdir or checkpoints dir, a checkpoint that is really incomplete or corrupt
 (truncated or missing files; ``checkpoints.manager.is_corrupt``, the classifier the train engine's
@@ -142,6 +144,25 @@ def load_variables(
     part = "trunk" if trunk_only else "online model"
     logging.info("Loaded params and batch_stats of the %s from %s", part, state_dir)
     return {name: restored.get(name, {}) for name in COLLECTIONS}
+
+
+def read_state_fields(
+    path: str, target: dict[str, Any], config: ml_collections.ConfigDict
+) -> tuple[str, dict[str, Any]]:
+    """``(state_dir, fields)``: the TrainState fields of ``target`` (field name -> tree of
+    ``jax.ShapeDtypeStruct`` with shardings) read from the newest readable checkpoint at
+    ``path``; the rest (the optimizer state) is not read. For what needs more of the trained
+    state than the online model: the method's own loss needs its teacher and queue too.
+    ``params`` and ``batch_stats`` must fit ``config.model`` (named in the error otherwise)."""
+
+    def read(state_dir: str) -> dict[str, Any]:
+        saved = saved_shapes(state_dir)
+        expected = {name: target.get(name, {}) for name in COLLECTIONS}
+        _check_architecture(state_dir, saved, expected, config)
+        args = ocp.checkpoint_utils.construct_restore_args(target)
+        return _restore(state_dir, target, args)
+
+    return read_newest(path, read)
 
 
 def resolve_checkpoint(path: str) -> str:

@@ -28,6 +28,7 @@ ENGINES = (
     "svm",
     "low_shot",
     "cluster",
+    "test_loss",
     "evaluate",
 )
 

@@ -99,7 +99,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return out
 
 
-HEADLINES = ("top1", "mAP", "mean", "nmi", "ari", "accuracy")  # the figures the table shows
+HEADLINES = ("top1", "mAP", "mean", "nmi", "ari", "accuracy", "loss")  # the figures the table shows
 
 
 def summary_table(timeline: list) -> str:
@@ -110,7 +110,9 @@ def summary_table(timeline: list) -> str:
         for name, record in row.get("evals", {}).items():
             protocol = record["protocol"]
             sections = [v for v in protocol["settings"].values() if isinstance(v, dict)]
-            split = next((v["test_split"] for v in sections if v.get("test_split")), "")
+            split = protocol.get("split") or next(
+                (v["test_split"] for v in sections if v.get("test_split")), ""
+            )
             data = f"{protocol['dataset']['name']} {split}".strip()
             for figure, value in evaluators.figures(record["results"]).items():
                 parts = figure.split("/")
@@ -162,6 +164,9 @@ def at_checkpoint(
             done = engines.engine_function(sub.engine)(sub, out_dir)
             done = {k: v for k, v in done.items() if k != "state"}
         record = {"protocol": evaluators.protocol(sub, name, evaluator, training)}
+        # What the engine itself read (the test loss: the trained run's data) wins.
+        own = {k: v for k, v in done.get("protocol", {}).items() if k not in ("evaluator", "mode")}
+        record["protocol"].update(own)
         record["results"] = _jsonable(done)
         row["evals"][name] = record
         scalars = evaluators.figures(record["results"], f"evals/{name}/")
@@ -190,6 +195,10 @@ def validate_in_training(config: ml_collections.ConfigDict) -> None:
             from jssl.engines import knn
 
             knn.check_config(sub)
+        elif evaluator.engine == "test_loss":
+            from jssl.engines import test_loss
+
+            test_loss.check_settings(sub)
         _check_splits(sub, name, evaluator)
 
 
@@ -198,7 +207,10 @@ def _check_splits(sub: ml_collections.ConfigDict, name: str, evaluator) -> None:
     from jssl import data
 
     section = evaluator.features or ("knn" if evaluator.engine == "knn" else "data")
-    for field in ("train_split", "test_split"):
+    fields = ("train_split", "test_split")
+    if evaluator.engine == "test_loss":
+        section, fields = "test_loss", ("split",)
+    for field in fields:
         split = sub[section][field]
         if not split:
             continue

@@ -15,15 +15,18 @@ Output: ``workdir/features/<name>/<layer>_{features,targets,inds}.npy`` (float32
 features, int64 targets and indices; multi-label data such as VOC07 has VISSL's (n, C) targets
 of 1 / 0 / -1, jssl.data.transfer, which jssl.evaluation.svm reads) and
 ``<name>/split.json`` (which examples of which split the directory holds), plus
-``workdir/features/config.json``. ``<name>`` is the split's name
-for a whole split and ``<split>@<start>-<end>`` for a TFDS slice, in examples of the whole
-split ("test[10:20]" -> ``features/test@10-20``; see ``split_dir_name``), so extracting two
-slices of one split never writes one directory. ``inds`` are indices in the whole split
-(test[10:20] stores 10..19), so the rows of a slice can be matched with the full split's.
+``workdir/features/config.json`` and ``source.json`` (the checkpoint dir read and its training
+step, so that every figure computed from the features can name the step). ``<name>`` is the
+split's name for a whole split and ``<split>@<start>-<end>`` for a TFDS slice, in examples of
+the whole split ("test[10:20]" -> ``features/test@10-20``; see ``split_dir_name``), so
+extracting two slices of one split never writes one directory. ``inds`` are indices in the
+whole split (test[10:20] stores 10..19), so the rows of a slice can be matched with the full
+split's.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -42,6 +45,8 @@ from jssl.checkpoints import manager as checkpoint
 from jssl.data import sources
 from jssl.evaluation import feature_store, features, frozen, pooling
 from jssl.evaluation.batches import eval_batches
+
+SOURCE_FILE = "source.json"  # in workdir/features: the checkpoint read and its step
 
 
 def make_extract_fn(
@@ -268,12 +273,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     mesh = parallel.make_mesh()
     # The trunk alone unless the head's output is asked for (see jssl.evaluation.frozen).
     path = _checkpoint_path(config, workdir)
-    model, variables = frozen.load_frozen_model(config, mesh, layers, path=path)
+    model, variables, source = frozen.load_frozen_model_recorded(config, mesh, layers, path=path)
     extract_fn = make_extract_fn(model, layers, pools)
     if jax.process_index() == 0:
         os.makedirs(os.path.join(workdir, "features"), exist_ok=True)
         with open(os.path.join(workdir, "features", "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+        # Which checkpoint (and training step) of init.checkpoint the features come from.
+        with open(os.path.join(workdir, "features", SOURCE_FILE), "w") as f:
+            json.dump(source, f, indent=2)
 
     summary = {}
     for split in ecfg.splits:

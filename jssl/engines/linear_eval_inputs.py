@@ -30,12 +30,10 @@ import ml_collections
 import numpy as np
 
 from jssl import data
-from jssl.checkpoints import weights
 from jssl.data import sources
-from jssl.evaluation import linear, pooling, robustness_sets
+from jssl.evaluation import frozen, linear, pooling, robustness_sets
 from jssl.evaluation.batches import eval_batches, from_host_batches
 from jssl.evaluation.feature_store import load_features
-from jssl.evaluation.frozen import load_frozen_model
 from jssl.evaluation.results import load_json
 from jssl.evaluation.svm import features_root
 
@@ -132,32 +130,8 @@ def _check_sizes(config: ml_collections.ConfigDict, n: int, held: int) -> None:
 
 def load_trunk(config: ml_collections.ConfigDict, mesh, layers) -> tuple[Any, PyTree, dict]:
     """(model, replicated variables, record) of ``init.checkpoint``; the record names the
-    checkpoint directory read and its training step."""
-    path = config.init.checkpoint
-    record: dict[str, Any] = {"checkpoint": os.path.abspath(path)}
-    if path.endswith(weights.TORCH_SUFFIXES):
-        model, variables = load_frozen_model(config, mesh, layers)
-        record["checkpoint_step"] = None
-        record["checkpoint_step_note"] = "a PyTorch/safetensors file records no training step"
-        return model, variables, record
-
-    def read(state_dir: str):
-        try:
-            return load_frozen_model(config, mesh, layers, path=state_dir)
-        except weights.WeightsError as e:
-            # A damaged step dir read on its own fails as a WeightsError caused by the read
-            # error; raised as that error, read_newest diagnoses it and falls back to the
-            # next older checkpoint, as load_variables does given the workdir.
-            if e.__cause__ is not None:
-                raise e.__cause__ from None
-            raise
-
-    # The newest readable checkpoint, read as one step dir so that its step is known.
-    state_dir, (model, variables) = weights.read_newest(path, read)
-    step_dir = os.path.dirname(state_dir)
-    record["checkpoint_dir"] = step_dir
-    record["checkpoint_step"] = int(os.path.basename(step_dir))
-    return model, variables, record
+    checkpoint directory read and its training step (``frozen.load_frozen_model_recorded``)."""
+    return frozen.load_frozen_model_recorded(config, mesh, layers)
 
 
 def trunk_inputs(config: ml_collections.ConfigDict, mesh) -> Inputs:

@@ -71,15 +71,32 @@ def load_pairs(config: ml_collections.ConfigDict, field: str = "svm"):
 
 def features_record(features_dir: str, layer: str) -> dict[str, Any]:
     """What the features came from, as results.json records it: extract_features writes its
-    config to ``features/config.json`` (checkpoint, trunk, data, pooling). The checkpoint
-    step is known only when ``init.checkpoint`` named a ``checkpoints/<step>`` directory:
-    extraction does not record which step of a workdir it read."""
+    config to ``features/config.json`` (trunk, data, pooling) and the checkpoint it read with
+    its training step to ``features/source.json``."""
     root = svm.features_root(features_dir)
     record: dict[str, Any] = {"features_dir": os.path.abspath(root), "layer": layer}
     config = load_json(os.path.join(root, "config.json"))
     if config is None:
         record["source"] = f"not recorded ({os.path.join(root, 'config.json')} is missing)"
         return record
+    checkpoint = config.get("init", {}).get("checkpoint", "")
+    source = load_json(os.path.join(root, "source.json")) or {}
+    match = re.search(r"checkpoints/(\d+)/?$", checkpoint)
+    record.update(
+        checkpoint=source.get("checkpoint_dir", checkpoint),
+        checkpoint_step=source.get("checkpoint_step", int(match.group(1)) if match else None),
+        trunk=config.get("model", {}).get("trunk"),
+        image_size=config.get("data", {}).get("image_size"),
+        data_source=config.get("data", {}).get("source"),
+        dataset=config.get("data", {}).get("name") or config.get("data", {}).get("source"),
+        pool=layer_pool(config.get("extract", {}).get("pool", "none"), layer),
+    )
+    if record["checkpoint_step"] is None:
+        record["checkpoint_step_note"] = source.get(
+            "checkpoint_step_note",
+            f"not recorded: {root} has no source.json naming the checkpoint read",
+        )
+    return record
     checkpoint = config.get("init", {}).get("checkpoint", "")
     match = re.search(r"checkpoints/(\d+)/?$", checkpoint)
     record.update(

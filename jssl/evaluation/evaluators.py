@@ -77,6 +77,11 @@ EVALUATORS: dict[str, Evaluator] = {
         features="cluster",
         selection="the k-means restart of lowest inertia on the train split",
     ),
+    "test_loss": Evaluator(
+        "test_loss",
+        ("test_loss",),
+        selection="the loss averaged over every example of the split once; nothing is chosen",
+    ),
 }
 
 CONTROL_FIELDS = ("type", "every_epochs")  # an entry's fields that are not config sections

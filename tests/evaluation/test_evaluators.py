@@ -6,6 +6,7 @@ add nothing but the protocol), on the tiny "test" presets."""
 import json
 import os
 
+import numpy as np
 import pytest
 from support.launch import enable_compilation_cache, prepare_shared_dirs
 
@@ -15,9 +16,10 @@ from configs import extract_features as extract_config
 from configs import knn as knn_config
 from configs import moco
 from configs import svm as svm_config
-from jssl import engines
+from configs import test_loss as test_loss_config
+from jssl import engines, methods, parallel
 from jssl.engines import evaluate
-from jssl.evaluation import evaluators
+from jssl.evaluation import evaluators, monitor
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,14 @@ def trained(shared_dirs, tmp_path_factory):
     config = _train_config(shared_dirs, 2)
     config.evals.knn = evaluate_config.entry("knn", "test", every_epochs=1)
     config.evals.cluster = evaluate_config.entry("cluster", "test")
+    config.evals.test_loss = evaluate_config.entry("test_loss", "test")
+    config.evals.test_loss.test_loss.split = "test[:100]"
     workdir = str(tmp_path_factory.mktemp("moco_evals"))
-    engines.run(config, workdir)
+    _FINAL_STATE[workdir] = engines.run(config, workdir)["state"]
     return workdir
+
+
+_FINAL_STATE = {}  # the trained state the train engine returned, by workdir
 
 
 def _evaluate_config(shared_dirs, checkpoint):
@@ -113,7 +120,7 @@ def test_training_runs_its_evaluators_on_its_checkpoints(trained):
         timeline = json.load(f)["timeline"]
     assert [row["checkpoint_step"] for row in timeline] == [4, 8]
     assert set(timeline[0]["evals"]) == {"knn"}  # every_epochs=1
-    assert set(timeline[1]["evals"]) == {"knn", "cluster"}  # the last epoch: all
+    assert set(timeline[1]["evals"]) == {"knn", "cluster", "test_loss"}  # the last epoch: all
     assert timeline[1]["evals"]["knn"]["protocol"]["mode"].startswith("inside training")
     with open(os.path.join(trained, evaluate.FINISHED_FILE)) as f:
         assert json.load(f)["step"] == 8
@@ -141,12 +148,65 @@ def test_following_a_finished_run_evaluates_each_checkpoint_once(shared_dirs, tr
         (lambda c: c.evals.svm.svm.update(costs=()), "svm.costs"),
         (lambda c: c.evals.knn.update(every_epochs=-1), "evals.knn.every_epochs"),
         (lambda c: c.evals.svm.update(data={"nonsense": 1}), "evals.svm.data.nonsense"),
+        (lambda c: _with_test_loss(c).test_loss.update(batch_size=0), "test_loss.batch_size=0"),
     ],
 )
 def test_bad_entries_are_refused_before_anything_is_written(shared_dirs, tmp_path, edit, message):
     config = _evaluate_config(shared_dirs, str(tmp_path))
     edit(config)
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        engines.run(config, str(tmp_path / "eval"))
+    assert not os.path.exists(tmp_path / "eval")
+
+
+def _with_test_loss(config):
+    config.evals.test_loss = evaluate_config.entry("test_loss", "test")
+    return config.evals.test_loss
+
+
+def test_the_test_loss_is_the_method_loss_of_the_saved_state(shared_dirs, trained, tmp_path):
+    """The test_loss evaluator, inside training and alone, against the train engine's test
+    phase on the state it returned (no checkpoint read): the whole state (queue included)
+    comes back from the checkpoint, and the protocol names what was read."""
+    with open(os.path.join(trained, "evals", "results.json")) as f:
+        record = json.load(f)["timeline"][1]["evals"]["test_loss"]
+    protocol = record["protocol"]
+    assert protocol["method"] == "moco" and protocol["split"] == "test[:100]"
+    assert protocol["checkpoint_step"] == 8 and protocol["mode"].startswith("inside training")
+    assert protocol["dataset"]["name"] == "jssl_demo"
+    results = record["results"]
+    assert results["num_examples"] == 100 and set(results["terms"]) == {"info_nce"}
+    assert results["terms"]["info_nce"] == results["loss"]  # MoCo's one term, weight 1
+
+    config = _train_config(shared_dirs, 2)
+    config.data.test_split = "test[:100]"
+    config.eval_outputs = False
+    mesh = parallel.make_mesh()
+    method = methods.get(config, 4)
+    reference = monitor.test_phase(
+        config,
+        monitor.make_test_step(config, method, mesh),
+        None,
+        _FINAL_STATE[trained],
+        mesh,
+        workdir=str(tmp_path),
+        epoch=2,
+    )
+    np.testing.assert_allclose(record["results"]["loss"], reference["loss"], rtol=1e-6)
+
+    alone = test_loss_config.get_config("test")  # the standalone engine on the workdir
+    alone.data.data_dir = shared_dirs[0]
+    alone.init.checkpoint = trained
+    alone.test_loss.split = "test[:100]"
+    out = engines.run(alone, str(tmp_path / "alone"))
+    assert out["loss"] == record["results"]["loss"]
+    assert out["protocol"]["checkpoint"] == os.path.join(trained, "checkpoints", "8")
+
+
+def test_the_test_loss_needs_a_jssl_workdir(tmp_path):
+    config = test_loss_config.get_config("test")
+    config.init.checkpoint = str(tmp_path / "resnet.pth")
+    with pytest.raises(ValueError, match="holds a trunk alone"):
         engines.run(config, str(tmp_path / "eval"))
     assert not os.path.exists(tmp_path / "eval")
 

@@ -20,6 +20,7 @@ from configs import extract_features, moco
 from jssl import data, engines, methods
 from jssl.checkpoints import source_model, weights
 from jssl.engines import extract_features as extract_engine
+from jssl.engines import svm as svm_engine
 from jssl.evaluation import feature_store, pooling
 
 LAYERS = ("res5", "avgpool", "head")
@@ -102,6 +103,10 @@ def test_files_shapes_indices_and_targets(extracted):
             "base_num_examples": 2000,
             "num_examples": 40,
         }
+    # The step of the workdir's checkpoint that was read, for every figure made from them.
+    record = svm_engine.features_record(workdir, "avgpool")
+    assert record["checkpoint_step"] == 2  # one epoch of 32 examples in batches of 16
+    assert record["checkpoint"].endswith(os.path.join("checkpoints", "2"))
 
 
 def test_two_slices_of_a_split_write_two_directories(shared_dirs, trained, tmp_path):
@@ -110,7 +115,12 @@ def test_two_slices_of_a_split_write_two_directories(shared_dirs, trained, tmp_p
     config.extract.layers = ("avgpool",)
     summary = extract_engine.run(config, str(tmp_path))
     features_dir = tmp_path / "features"
-    assert sorted(os.listdir(features_dir)) == ["config.json", "test@0-8", "test@8-16"]
+    assert sorted(os.listdir(features_dir)) == [
+        "config.json",
+        "source.json",
+        "test@0-8",
+        "test@8-16",
+    ]
     second = np.load(features_dir / "test@8-16" / "avgpool_inds.npy")
     np.testing.assert_array_equal(second, np.arange(8, 16))  # indices in the whole split
     assert summary["test[8:16]"]["directory"] == str(features_dir / "test@8-16")
