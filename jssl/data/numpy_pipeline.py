@@ -207,19 +207,18 @@ def build_train_dataset(
 
 
 def eval_image(image: np.ndarray, size: int, mean, std) -> np.ndarray:
-    """transforms.eval_image in numpy: images whose shorter side is at most ``size`` resized
-    straight to size^2, larger ones resized to a shorter side of size / 0.875 and centre-cropped;
-    then normalised."""
+    """transforms.eval_image in numpy: the shorter side resized to size / 0.875 (to ``size``
+    when it is at most ``size``), the aspect ratio kept, then centre-cropped to size^2 and
+    normalised."""
     image = image.astype(np.float32) / 255.0
     h, w = image.shape[:2]
     short = min(h, w)
-    if short <= size:
-        out = resize(image, size, size)
-    else:
-        scale = (size / 0.875) / short
-        new_h, new_w = int(np.rint(h * scale)), int(np.rint(w * scale))
-        top, left = (new_h - size) // 2, (new_w - size) // 2
-        out = resize(image, new_h, new_w)[top : top + size, left : left + size]
+    # In float32, as the tf.data version computes the new sides.
+    scale = np.float32(size if short <= size else size / 0.875) / np.float32(short)
+    new_h = max(int(np.rint(np.float32(h) * scale)), size)
+    new_w = max(int(np.rint(np.float32(w) * scale)), size)
+    top, left = (new_h - size) // 2, (new_w - size) // 2
+    out = resize(image, new_h, new_w)[top : top + size, left : left + size]
     out = out.clip(0.0, 1.0)
     return (out - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
 

@@ -253,27 +253,22 @@ def ssl_view(image: tf.Tensor, seed: Seed, group, augment) -> tf.Tensor:
 def eval_image(image: tf.Tensor, size: int, mean: Sequence[float], std: Sequence[float]):
     """Resize the shorter side to size/0.875 and centre-crop size^2 (the standard ImageNet eval).
 
-    Images whose shorter side is at most `size` (CIFAR, the demo set) are resized straight to
-    size^2: upscaling then cropping 12.5% away would only lose content.
+    Images whose shorter side is at most `size` (CIFAR, the demo set, small transfer images)
+    get their shorter side resized to `size` instead (a square one straight to size^2):
+    upscaling then cropping 12.5% away would only lose content. The aspect ratio is kept.
     """
     shape = tf.shape(image)
     h = tf.cast(shape[0], tf.float32)
     w = tf.cast(shape[1], tf.float32)
     short = tf.minimum(h, w)
-
-    def resize_crop() -> tf.Tensor:
-        scale = (size / 0.875) / short
-        new_h = tf.cast(tf.round(h * scale), tf.int32)
-        new_w = tf.cast(tf.round(w * scale), tf.int32)
-        resized = tf.image.resize(image, tf.stack([new_h, new_w]), "bilinear", antialias=True)
-        top = (new_h - size) // 2
-        left = (new_w - size) // 2
-        return tf.slice(resized, tf.stack([top, left, 0]), [size, size, 3])
-
-    def resize_only() -> tf.Tensor:
-        return tf.image.resize(image, (size, size), "bilinear", antialias=True)
-
-    out = tf.cond(short <= size, resize_only, resize_crop)
+    target = tf.where(short <= size, float(size), size / 0.875)
+    scale = target / short
+    new_h = tf.maximum(tf.cast(tf.round(h * scale), tf.int32), size)
+    new_w = tf.maximum(tf.cast(tf.round(w * scale), tf.int32), size)
+    resized = tf.image.resize(image, tf.stack([new_h, new_w]), "bilinear", antialias=True)
+    top = (new_h - size) // 2
+    left = (new_w - size) // 2
+    out = tf.slice(resized, tf.stack([top, left, 0]), [size, size, 3])
     out = tf.clip_by_value(tf.ensure_shape(out, [size, size, 3]), 0.0, 1.0)
     return normalize(out, mean, std)
 

@@ -112,6 +112,17 @@ def test_resize_is_tf_bilinear_with_antialiasing(shape):
     np.testing.assert_allclose(numpy_pipeline.resize(image, out_h, out_w), expected, atol=2e-3)
 
 
+@pytest.mark.parametrize("shape", [(12, 30), (16, 16), (20, 16), (48, 64), (33, 90)])
+def test_eval_image_is_tf_datas(shape):
+    from jssl.data import transforms
+
+    image = np.random.RandomState(1).uniform(0, 255, (*shape, 3)).astype(np.uint8)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    expected = transforms.eval_image(tf.constant(image, tf.float32) / 255.0, 16, mean, std)
+    got = numpy_pipeline.eval_image(image, 16, mean, std)
+    np.testing.assert_allclose(got, expected.numpy(), atol=2e-3)
+
+
 def test_crop_boxes_follow_tf_distribution():
     scale, ratio, n = (0.2, 1.0), (3 / 4, 4 / 3), 1500
     ours, theirs = [], []

@@ -82,6 +82,15 @@ def test_normalize_and_eval_image():
     np.testing.assert_allclose(small, expected, atol=1e-4)
 
 
+def test_a_small_image_keeps_its_aspect_ratio():
+    """A non-square image whose shorter side is at most the size: the shorter side resized to
+    the size and the centre cropped (not squashed to a square)."""
+    image = _image(12, 30)  # resized to 16 x 40, then columns 12..27 kept
+    out = transforms.eval_image(image, SIZE, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)).numpy()
+    full = tf.image.resize(image, (16, 40), "bilinear", antialias=True).numpy()
+    np.testing.assert_allclose(out, full[:, 12:28].clip(0, 1), atol=1e-6)
+
+
 def test_example_seed_depends_on_all_three():
     seeds = {
         tuple(transforms.example_seed(s, e, tf.constant(i)).numpy())
