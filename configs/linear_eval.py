@@ -68,6 +68,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # The share of the train split (its last examples) held out to choose each layer's point;
     # the test split never chooses. 0: nothing held out, for a one-point grid only.
     lin.val_fraction = 0.1
+    # Or a split of its own to choose on (a dataset's validation split; val_fraction=0): the
+    # heads then train on the whole of data.train_split.
+    lin.val_split = ""
     lin.report_all = False  # True: also record every point's test figures (labelled as such)
     # "tfds_name:split" sets scored with the chosen heads after training on ImageNet (their
     # labels are ImageNet's; -A and -R over their 200 classes), e.g.

@@ -17,14 +17,16 @@ eurosat (eurosat/rgb), resisc45, patch_camelyon, places365_small, i_naturalist20
 
 - ``linear``: configs/linear_eval.py (VISSL's transfer recipe, the same as its ImageNet one:
   28 epochs of SGD, RandomResizedCrop 224 + flip; images of 96 px or less resized whole to 224
-  + flip, VISSL's CIFAR recipe), one BN -> linear head on ``avgpool``;
+  + flip, VISSL's CIFAR recipe), one BN -> linear head on ``avgpool`` per learning rate of the
+  grid, chosen on the train split's last 10% (DTD, Flowers: trained on train, chosen on
+  validation);
 - ``knn``: configs/knn.py:dino (DINO's k in 10/20/100/200, T 0.07) on ``avgpool``;
 - ``extract``: configs/extract_features.py, ``avgpool`` of the train and test splits;
 - ``svm``: configs/svm.py's VISSL SVMs on an ``extract`` run's ``avgpool`` features (top-1 for
   single-label data, mAP for VOC07); set ``svm.features_dir``.
 
-Test images: shorter side to 256, centre crop 224 (jssl.data.transforms.eval_image; images of
-224 px or less are resized straight to 224). ``avgpool`` is the ResNet's pooled res5 (VISSL's
+Test images: shorter side to 256, centre crop 224 (jssl.data.transforms.eval_image; a shorter
+side of 224 px or less is resized to 224). ``avgpool`` is the ResNet's pooled res5 (VISSL's
 res5 + AdaptiveAvgPool) and a ViT's [CLS] token. The model fields come from the evaluated
 workdir's config.json (``--config.init.checkpoint=<any method's workdir>``); a PyTorch file uses
 ResNet-50. VOC07 is multi-label: only ``extract`` and ``svm`` read it.
@@ -79,9 +81,10 @@ def get_config(arg: str = "cifar10,linear") -> ml_collections.ConfigDict:
         recipes.evaluation(c, "svm", "")
     set_data(c, dataset)
     if evaluator == "linear" and "+" in dataset.train_split:
-        # A split sum (trainval) cannot be cut into a held-out tail: VISSL's one setting,
-        # nothing held out, as its trainval recipes train.
-        c.linear.lrs, c.linear.weight_decays, c.linear.val_fraction = (), (), 0.0
+        # A split sum (trainval) cannot be cut into a held-out tail: the grid's heads train on
+        # its first split and are chosen on its second (DTD, Flowers: train, then validation).
+        first, second = dataset.train_split.split("+")
+        c.data.train_split, c.linear.val_split, c.linear.val_fraction = first, second, 0.0
     if evaluator == "knn":
         c.knn.layer = LAYER
         c.knn.train_split, c.knn.test_split = dataset.train_split, dataset.test_split

@@ -83,10 +83,23 @@ def _rule(fraction: float, train_split: str, config: ml_collections.ConfigDict) 
     )
 
 
+def _split_rule(config: ml_collections.ConfigDict) -> str:
+    return (
+        f"the dataset's split linear.val_split={config.linear.val_split!r}, every example once; "
+        f"the heads train on the whole of data.train_split={config.data.train_split!r}"
+    )
+
+
 def image_splits(config: ml_collections.ConfigDict) -> Splits:
-    """The splits of the image pipelines (TFDS or demo data), the held-out part as slices."""
+    """The splits of the image pipelines (TFDS or demo data), the held-out part as slices
+    (or ``linear.val_split``)."""
     dcfg, fraction = config.data, config.linear.val_fraction
     source = sources.resolve_split(dcfg, dcfg.train_split, dcfg.train_subset)
+    val_split = config.linear.get("val_split", "")
+    if val_split:
+        held = sources.resolve_split(dcfg, val_split).num_examples
+        rule = _split_rule(config)
+        return Splits(dcfg.train_split, val_split, dcfg.test_split, source.num_examples, held, rule)
     n, held = source.num_examples, held_out_count(source.num_examples, fraction)
     if not held:
         return Splits(dcfg.train_split, None, dcfg.test_split, n, 0, "nothing held out")
@@ -184,7 +197,7 @@ def trunk_inputs(config: ml_collections.ConfigDict, mesh) -> Inputs:
 def train_data_config(config: ml_collections.ConfigDict, splits: Splits):
     """The heads' training data: the train part of the split, crops and flips only."""
     dcfg = config.data
-    if splits.held_out is not None:
+    if splits.held_out is not None and not config.linear.get("val_split", ""):
         dcfg = dcfg.copy_and_resolve_references()
         with dcfg.unlocked():
             dcfg.train_split, dcfg.train_subset = splits.train, -1
@@ -234,6 +247,11 @@ def cached_inputs(config: ml_collections.ConfigDict, mesh) -> Inputs:
         feats = {k: v[:limit] for k, v in feats.items()}
         labels, indices = labels[:limit], indices[:limit]
     splits, cut = cached_splits(config, indices)
+    val_split = lcfg.get("val_split", "")
+    val_set = None
+    if val_split:
+        val_set = load_features(lcfg.cached_features, val_split, layers)
+        splits = dataclasses.replace(splits, num_held_out=len(val_set.labels))
     batch_size = config.data.batch_size
     if cut < batch_size:
         raise ValueError(
@@ -274,7 +292,13 @@ def cached_inputs(config: ml_collections.ConfigDict, mesh) -> Inputs:
         steps_per_epoch=cut // batch_size,
         splits=splits,
         train_batches=train_batches,
-        held_out_batches=None if cut == len(labels) else lambda: rows(held, labels[cut:]),
+        held_out_batches=(
+            (lambda: rows(val_set.features, val_set.labels))
+            if val_set is not None
+            else None
+            if cut == len(labels)
+            else lambda: rows(held, labels[cut:])
+        ),
         test_batches=lambda: rows(test_set.features, test_set.labels),
         source={"features_dir": os.path.abspath(features_root(lcfg.cached_features))},
     )
@@ -285,6 +309,10 @@ def cached_splits(config: ml_collections.ConfigDict, indices: np.ndarray) -> tup
     and the first held-out row."""
     fraction, train_split = config.linear.val_fraction, config.data.train_split
     n = len(indices)
+    val_split = config.linear.get("val_split", "")
+    if val_split:  # its size is set by the caller, which reads its features
+        rule = _split_rule(config) + " (cached features)"
+        return Splits(train_split, val_split, config.data.test_split, n, 0, rule), n
     held = held_out_count(n, fraction)
     if not held:
         none = Splits(train_split, None, config.data.test_split, n, 0, "nothing held out")

@@ -19,9 +19,9 @@ single-point run initialises, so point (lr, wd) trains exactly the head a run wi
 and wd alone would (the tests check it).
 
 Selection (``select``): per layer, the point of best top-1 on the held-out part of the train
-split (``linear.val_fraction``), first of ties in grid order (learning rates outer, weight
-decays inner); points whose parameters are no longer finite (a learning rate too large)
-are never chosen. The test split selects nothing.
+split (``linear.val_fraction``) or on a validation split (``linear.val_split``), first of ties
+in grid order (learning rates outer, weight decays inner); points whose parameters are no
+longer finite (a learning rate too large) are never chosen. The test split selects nothing.
 
 Differences from DINOv2: DINOv2 picks the best classifier on the set whose accuracy it then
 reports (ImageNet's validation split, its ``val_dataset``); here the choice is made on data
@@ -110,8 +110,8 @@ class Grid:
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
-    """Start-up checks of ``linear.lrs``, ``linear.weight_decays``, ``linear.val_fraction``
-    and ``linear.report_all``; each failure names the field and the fix."""
+    """Start-up checks of ``linear.lrs``, ``linear.weight_decays``, ``linear.val_fraction``,
+    ``linear.val_split`` and ``linear.report_all``; each failure names the field and the fix."""
     lcfg = config.linear
     for field, low, example in (
         ("lrs", "> 0", "(0.001, 0.01, 0.1)"),
@@ -147,14 +147,28 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             f"linear.val_fraction={fraction!r} must be in [0, 1): the share of the train split "
             "held out to choose each layer's head, e.g. --config.linear.val_fraction=0.1."
         )
+    val_split = lcfg.get("val_split", "")
+    if not isinstance(val_split, str):
+        raise ValueError(f"linear.val_split={val_split!r} must name a split, or '' for none.")
+    if val_split and fraction > 0:
+        raise ValueError(
+            f"linear.val_split={val_split!r} and linear.val_fraction={fraction} both name a "
+            "held-out part: choose on the split (--config.linear.val_fraction=0) or on the "
+            "train split's tail (--config.linear.val_split='')."
+        )
+    if val_split and val_split in (config.data.train_split, config.data.test_split):
+        raise ValueError(
+            f"linear.val_split={val_split!r} is the train or test split: the heads must be "
+            "chosen on examples they neither train nor are scored on."
+        )
     grid = Grid.from_config(config)
-    if fraction == 0 and grid.size > 1:
+    if fraction == 0 and not val_split and grid.size > 1:
         raise ValueError(
             f"linear.val_fraction=0 holds nothing out, but the grid has {grid.size} points "
             f"(linear.lrs={grid.lrs}, linear.weight_decays={grid.weight_decays}): the head "
-            "would be chosen on the test split. Set --config.linear.val_fraction=0.1, or a "
-            "one-point grid (--config.linear.lrs='(0.01,)' "
-            "--config.linear.weight_decays='(5e-4,)')."
+            "would be chosen on the test split. Set --config.linear.val_fraction=0.1, a "
+            "validation split (--config.linear.val_split=validation), or a one-point grid "
+            "(--config.linear.lrs='(0.01,)' --config.linear.weight_decays='(5e-4,)')."
         )
     if not isinstance(lcfg.report_all, bool):
         raise ValueError(f"linear.report_all={lcfg.report_all!r} must be True or False.")

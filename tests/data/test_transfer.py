@@ -23,7 +23,7 @@ from ml_collections import config_flags
 from configs import transfer as transfer_config
 from jssl import cli, data, engines
 from jssl.data import sources, transfer
-from jssl.evaluation import linear
+from jssl.evaluation import linear, linear_grid
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (train, test) examples of each preset's splits, worked out by hand from the TFDS catalog's
@@ -111,7 +111,14 @@ def test_every_preset_sets_the_tables_dataset_and_splits():
                 224,
             )
             splits = (dataset.train_split, dataset.test_split)
-            assert (c.data.train_split, c.data.test_split) == splits
+            if evaluator == "linear" and "+" in dataset.train_split:  # trainval: train, val
+                first, second = dataset.train_split.split("+")
+                assert (c.data.train_split, c.linear.val_split) == (first, second)
+                assert c.data.test_split == dataset.test_split and c.linear.val_fraction == 0
+                linear_grid.check_config(c)  # a grid chosen on validation, not on test
+                assert len(c.linear.lrs) > 1
+            else:
+                assert (c.data.train_split, c.data.test_split) == splits
             engine = {"linear": "linear_eval", "extract": "extract_features"}.get(evaluator)
             assert c.engine == (engine or evaluator)
             if evaluator == "linear":
@@ -192,13 +199,25 @@ def test_data_path_on_mock_data(key, tmp_path):
             assert 0 <= rows["label"].min() and rows["label"].max() < dataset.num_classes
 
 
-@pytest.mark.parametrize("key", ["cifar10", "food101"])
+@pytest.mark.parametrize("key", ["cifar10", "food101", "dtd"])
 def test_linear_training_crops_on_mock_data(key, tmp_path):
     """The linear preset's training view (the same pipeline for every dataset): a
-    random-resized crop, or for low-resolution images the whole image, at 224 px."""
+    random-resized crop, or for low-resolution images the whole image, at 224 px; and the
+    splits its grid trains, is chosen and is scored on."""
+    from jssl.engines import linear_eval_inputs
+
     dataset = transfer.find(key)
     c = transfer_config.get_config(f"{key},linear")
     with mock_tfds(str(tmp_path), dataset.tfds_name, dict(dataset.split_sizes)):
+        splits = linear_eval_inputs.image_splits(c)
+        sizes = dataset.split_sizes
+        if key == "dtd":  # trainval: train on train, chosen on validation
+            assert (splits.train, splits.held_out) == ("train", "validation")
+            assert (splits.num_train, splits.num_held_out) == (sizes["train"], sizes["validation"])
+        else:  # the last 10% of the train split
+            n = sizes[dataset.train_split]
+            assert splits.num_train + splits.num_held_out == n
+            assert splits.num_held_out == round(0.1 * n)
         train = linear.train_data_config(c.data, c.linear.crop_scale)
         train.batch_size, train.train_subset, train.shuffle_buffer = 4, 4, 4
         rows = next(data.build_train_dataset(train, seed=0, epoch=0).as_numpy_iterator())

@@ -5,6 +5,7 @@ robustness sets on tfds.testing.mock_data."""
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -81,6 +82,24 @@ def test_grid_chooses_on_the_held_out_part_and_records_its_protocol(blob_feature
     # The lower rate cannot separate the blobs in 12 steps: the choice is not a tie.
     assert {p["held_out_top1"] < 90 for p in record["layers"]["avgpool"]["grid"]} == {True, False}
 
+    # The same examples as a split of their own (linear.val_split): the same heads and choice.
+    split_dir = tmp_path / "with_validation"
+    shutil.copytree(blob_features, split_dir)
+    for layer in ("res5", "avgpool"):
+        x, y = rows["train", layer], rows["train", "labels"]
+        _write_features(str(split_dir), "train", layer, x[:192], y[:192])
+        _write_features(str(split_dir), "validation", layer, x[192:], y[192:])
+    config.linear.cached_features = str(split_dir)
+    config.linear.val_split = "validation"
+    config.linear.val_fraction = 0.0
+    other = linear_eval.run(config, str(tmp_path / "val_split"))["record"]
+    for layer, entry in other["layers"].items():
+        assert entry["protocol"]["held_out_split"] == "validation"
+        assert entry["protocol"]["num_held_out"] == 64 and entry["protocol"]["num_train"] == 192
+        assert "linear.val_split='validation'" in entry["protocol"]["held_out_rule"]
+        assert entry["grid"] == record["layers"][layer]["grid"]
+        assert entry["top1"] == record["layers"][layer]["top1"]
+
 
 def test_held_out_part_is_the_end_of_the_train_split_as_split_slices():
     config = linear_eval_config.get_config("test")
@@ -108,6 +127,13 @@ def test_held_out_part_is_the_end_of_the_train_split_as_split_slices():
     gappy, _ = inputs_lib.cached_splits(config, np.r_[0:30, 50:60])
     assert gappy.train == "36 examples of train with dataset indices 0..55"
     assert gappy.held_out == "train[56:60]"
+    # A split of its own: the heads train on the whole train split.
+    config.data.train_split, config.data.train_subset = "train[:7000]", -1
+    config.linear.val_fraction, config.linear.val_split = 0.0, "train[7000:8000]"
+    own = inputs_lib.image_splits(config)
+    assert (own.train, own.held_out) == ("train[:7000]", "train[7000:8000]")
+    assert (own.num_train, own.num_held_out) == (7000, 1000)
+    assert inputs_lib.train_data_config(config, own).train_split == "train[:7000]"
 
 
 def _save_trunk(workdir, config, step, seed):
@@ -155,6 +181,8 @@ def test_the_checkpoint_step_read_is_recorded_past_a_damaged_newest(tmp_path):
         ({"weight_decays": (-1.0,)}, r"linear.weight_decays=\(-1.0,\): every value"),
         ({"val_fraction": 1.0}, r"linear.val_fraction=1.0 must be in \[0, 1\)"),
         ({"val_fraction": 0.9}, r"holds out 230 of the 256 train examples, leaving 26: fewer"),
+        ({"val_split": "validation"}, r"linear.val_split='validation' and linear.val_fraction="),
+        ({"val_split": "test", "val_fraction": 0.0}, r"val_split='test' is the train or test"),
         ({"extra_test_sets": ("imagenet_a:test",)}, r"extra_test_sets=.* needs the trunk"),
     ],
 )
