@@ -100,6 +100,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Evaluation engines: take model.* from the config.json of the workdir they evaluate
     # (flags given on the command line win); False keeps this config's model fields.
     c.init.model_from_checkpoint = True
+    # Training from init.checkpoint (a jssl workdir): take the trunk's model.* fields from its
+    # config.json (flags given win) and size the head's input to it; the fine-tuning presets.
+    c.init.trunk_from_checkpoint = False
 
     c.parallel = ml_collections.ConfigDict()
     # True: parameters, teacher and optimizer state split over the devices (ZeRO-3 / FSDP:

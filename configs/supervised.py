@@ -162,6 +162,7 @@ def _finetune(c: ml_collections.ConfigDict, dataset: str) -> None:
     # WEIGHTS_INIT: the trunk from a pre-trained model (APPEND_PREFIX trunk.); the classifier
     # starts fresh whatever the checkpoint's head holds.
     c.method.require_init_checkpoint = True
+    c.init.trunk_from_checkpoint = True  # the trunk's model.* from its workdir
     c.init.skip = ("head",)
     c.data.name = dataset
     c.data.test_split = "validation"  # the full ImageNet validation set
@@ -195,6 +196,7 @@ def _finetune_full(c: ml_collections.ConfigDict) -> None:
     weight decay: trunk 1e-4, head 1e-6 (head_optimizer_params use_different_wd True,
     weight_decay 0.000001), the head at the trunk's schedule (lr_head = lr)."""
     c.method.require_init_checkpoint = True
+    c.init.trunk_from_checkpoint = True  # the trunk's model.* from its workdir
     c.init.skip = ("head",)
     c.data.test_split = "validation"
     c.data.batch_size = 256  # BATCHSIZE_PER_REPLICA 32 x 8 GPUs
@@ -248,6 +250,7 @@ def _finetune_demo(c: ml_collections.ConfigDict) -> None:
     """
     _demo(c)
     c.method.require_init_checkpoint = True
+    c.init.trunk_from_checkpoint = True  # the trunk's model.* from its workdir
     c.init.skip = ("head",)
     c.data.train_subset = 800
     c.data.batch_size = 64
@@ -269,12 +272,12 @@ def _finetune_vit(c: ml_collections.ConfigDict) -> None:
     tokens (``global_pool``; ``--config.method.head_input=avgpool`` is ``--cls_token``), a fresh
     classifier, tested on the validation set after each epoch.
 
-    Any jssl ViT workdir is a starting point (DINO's, MoCo v3's, MAE's): the trunk must fit,
-    so give the ``model.*`` fields it was trained with (its config.json; the start-up error
-    names the first that differs) and the classifier's input width, e.g.
-    ``--config.model.trunk=vit_small --config.model.head_dims='(384, 1000)'`` for DINO's
-    ViT-S/16. MAE's ViT-L/16 recipe: layer_decay 0.75, base_lr 1e-3, drop path 0.2, 50 epochs."""
+    Any jssl ViT workdir is a starting point (DINO's, MoCo v3's, MAE's): its trunk's
+    ``model.*`` fields come from its config.json (``init.trunk_from_checkpoint``) and the
+    classifier's input width follows, so a DINO ViT-S/16 fine-tunes as a ViT-S/16. MAE's
+    ViT-L/16 recipe: layer_decay 0.75, base_lr 1e-3, drop path 0.2, 50 epochs."""
     c.method.require_init_checkpoint = True
+    c.init.trunk_from_checkpoint = True  # the trunk's model.* from its workdir
     c.init.skip = ("head",)
     m = c.method
     m.head_input = "patch_avg"  # main_finetune.py: global_pool True by default

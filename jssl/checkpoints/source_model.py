@@ -2,7 +2,8 @@
 feature extraction) take the ``model.*`` fields recorded in the ``config.json`` of the jssl
 workdir they read, so ``--config.init.checkpoint=runs/dino_demo`` is enough to evaluate a
 DINO demo with any evaluation preset. A field given on the command line wins, and
-``--config.init.model_from_checkpoint=False`` turns the adoption off. A layer that reads the
+``--config.init.model_from_checkpoint=False`` turns the adoption off. The fine-tuning presets
+(``init.trunk_from_checkpoint``) take the trunk's fields the same way. A layer that reads the
 method's head builds it from that workdir's whole training config (``method_config``): the
 evaluation presets set no method of their own."""
 
@@ -14,9 +15,24 @@ from typing import Any
 import ml_collections
 from absl import logging
 
+from jssl import models
 from jssl.checkpoints import workdir as workdir_lib
 
 ENGINES = ("extract_features", "knn", "linear_eval", "export", "evaluate", "test_loss")
+# The model fields that fix a trunk's parameters: what a training run started from a jssl
+# workdir takes from it with init.trunk_from_checkpoint (the fine-tuning presets); its head,
+# regularisation and compute settings stay its own.
+TRUNK_FIELDS = (
+    "trunk",
+    "patch_size",
+    "image_size",
+    "vit_depth",
+    "width_multiplier",
+    "cifar_stem",
+    "ffn",
+    "layerscale",
+    "num_registers",
+)
 
 
 def source_path(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -30,9 +46,15 @@ def adopt(
 ) -> list[str]:
     """Sets ``config.model.*`` to the values recorded by the workdir of the evaluated weights,
     except the fields in ``explicit`` (dotted names, e.g. ``model.trunk``, the command line's
-    overrides). Returns the ``--config.model.*`` flags it applied (logged), [] when nothing
-    changed, the engine trains, or the weights are a PyTorch file without a config.json."""
-    if config.engine not in ENGINES or not config.init.get("model_from_checkpoint", True):
+    overrides). A training run does so only with ``init.trunk_from_checkpoint`` and only for
+    the trunk's ``TRUNK_FIELDS``, its head's input width following the adopted trunk. Returns
+    the ``--config.model.*`` flags it applied (logged), [] when nothing changed or the weights
+    are a PyTorch file without a config.json."""
+    training = config.engine == "train"
+    if training:
+        if not config.init.get("trunk_from_checkpoint", False):
+            return []
+    elif config.engine not in ENGINES or not config.init.get("model_from_checkpoint", True):
         return []
     path = source_path(config, workdir)
     if not path:
@@ -45,7 +67,7 @@ def adopt(
         if not field.startswith("model.") or field in explicit or field == "model.dtype":
             continue
         name = field[len("model.") :]
-        if name not in config.model or "." in name:
+        if name not in config.model or "." in name or (training and name not in TRUNK_FIELDS):
             continue
         current = config.model[name]
         new = _typed(value, current)
@@ -53,6 +75,13 @@ def adopt(
             continue
         config.model[name] = new
         applied.append(f"--config.{field}={workdir_lib.flag_value(value)}")
+    if training and applied and "model.head_dims" not in explicit:
+        # The classifier reads the adopted trunk's features: its input width follows.
+        dims = tuple(config.model.head_dims)
+        width = models.trunk_feature_dim(config.model)
+        if dims and dims[0] != width:
+            config.model.head_dims = (width, *dims[1:])
+            applied.append(f"--config.model.head_dims={config.model.head_dims!r}")
     if applied:
         logging.info("Model of %s, from its workdir's config.json: %s", path, " ".join(applied))
     return applied

@@ -1,5 +1,6 @@
 """Evaluation engines take the evaluated workdir's model fields (jssl.checkpoints.source_model):
-from its config.json, except fields given on the command line, and not for training."""
+from its config.json, except fields given on the command line; a training run only its trunk's,
+and only when asked (the fine-tuning presets)."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from configs import dino, extract_features, knn, linear_eval, moco
+from configs import dino, extract_features, knn, linear_eval, moco, supervised
 from jssl import cli, methods
 from jssl.checkpoints import source_model
 
@@ -85,3 +86,25 @@ def test_a_head_layer_is_read_with_the_method_of_the_evaluated_workdir(tmp_path)
     assert shapes(methods.get(source).model) == shapes(methods.get(trained).model)
     with pytest.raises(ValueError, match="no jssl config.json naming the method"):
         source_model.method_config(config, str(tmp_path / "resnet50.pth"))
+
+
+def test_fine_tuning_takes_the_trunk_of_its_workdir_and_sizes_the_head(tmp_path):
+    """finetune_vit from a DINO ViT-S workdir: the trunk's fields from its config.json, the
+    classifier's input width from that trunk, the head and regularisation its own."""
+    trained = dino.get_config("demo_vit")
+    trained.model.trunk, trained.model.drop_path_rate = "vit_small", 0.3
+    tune = supervised.get_config("finetune_vit")
+    tune.init.checkpoint = _workdir(tmp_path, trained)
+    applied = source_model.adopt(tune, str(tmp_path / "tune"))
+    for field in ("trunk", "patch_size", "vit_depth", "image_size"):
+        assert tune.model[field] == trained.model[field], field
+    assert tune.model.head_dims == (384, 1000) and "--config.model.head_dims=(384, 1000)" in applied
+    assert (tune.model.drop_path_rate, tune.model.dtype) == (0.1, "bfloat16")  # the recipe's
+    # A flag given wins; a training config without the field adopts nothing.
+    again = supervised.get_config("finetune_vit")
+    again.init.checkpoint = tune.init.checkpoint
+    source_model.adopt(again, str(tmp_path / "tune2"), {"model.trunk", "model.head_dims"})
+    assert (again.model.trunk, again.model.head_dims) == ("vit_base", (768, 1000))
+    plain = moco.get_config("demo")
+    plain.init.checkpoint = tune.init.checkpoint
+    assert source_model.adopt(plain, str(tmp_path / "plain")) == []
