@@ -55,24 +55,12 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.model.sync_bn = True
     c.model.dtype = "bfloat16"
 
-    # batch_size_per_gpu 64 x 8 GPUs. DataAugmentationDINO: global crops 224 px at scale
-    # (0.14, 1) (README command), local_crops_number 8 at 96 px, scale (0.05, 0.14); flip 0.5,
-    # colour jitter p 0.8 (0.4, 0.4, 0.2, 0.1), grayscale 0.2; blur (0.1-2.0) p 1.0 on the first
-    # global crop, 0.1 on the second, 0.5 on local crops; solarisation p 0.2 on the second.
+    # batch_size_per_gpu 64 x 8 GPUs. DataAugmentationDINO: global crops at scale (0.14, 1)
+    # (README command), local_crops_number 8 at 96 px.
     recipes.imagenet_data(c)
     c.data.batch_size = 512
     c.data.image_size = 224
-    a = c.data.augment
-    a.num_crops = (1, 1, 8)
-    a.crop_sizes = (224, 224, 96)
-    a.crop_scale = ((0.14, 1.0), (0.14, 1.0), (0.05, 0.14))
-    a.flip_prob = (0.5,)
-    a.color_jitter_prob = (0.8,)
-    a.color_strength = 0.5  # (0.4, 0.4, 0.4, 0.1): saturation 0.4, DINO's 0.2
-    a.grayscale_prob = (0.2,)
-    a.blur_prob = (1.0, 0.1, 0.5)
-    a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = (0.0, 0.2, 0.0)
+    recipes.dino_views(c, num_local=8, local_size=96, split=0.14)
 
     # optimizer sgd, momentum 0.9; lr 0.03 per 256 images (0.06 at 512), linear warmup from 0
     # over warmup_epochs 10, then cosine to min_lr 1e-6; weight_decay 1e-4 = weight_decay_end
@@ -136,12 +124,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         _demo(c)
         if preset == "test":
             recipes.tiny(c)
+            recipes.tiny_multicrop(c)
             c.model.head_dims = ()
-            a = c.data.augment  # multi-crop, to test the local crops' path
-            a.num_crops = (1, 1, 2)
-            a.crop_sizes = (16, 16, 8)
-            a.crop_scale = ((0.3, 1.0), (0.3, 1.0), (0.2, 0.5))
-            a.solarize_prob = (0.0, 0.2, 0.0)
             m = c.method
             m.out_dim = 32
             m.hidden_dim = 32

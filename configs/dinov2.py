@@ -84,23 +84,12 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.model.remat = "full"
     c.parallel.shard_params = True
 
-    # DataAugmentationDINO: global crops 224 px at scale (0.32, 1), 8 local crops at 98 px
-    # (vitl14.yaml) at (0.05, 0.32); flip, colour jitter p 0.8 (0.4, 0.4, 0.2, 0.1),
-    # grayscale 0.2; blur p 1.0 / 0.1 / 0.5; solarisation 0.2 on the second global crop.
+    # DataAugmentationDINO: global crops at scale (0.32, 1), 8 local crops at 98 px
+    # (vitl14.yaml).
     recipes.imagenet_data(c)
     c.data.batch_size = 3072  # batch_size_per_gpu 32 x 96 GPUs (README: 12 nodes)
     c.data.image_size = 224
-    a = c.data.augment
-    a.num_crops = (1, 1, 8)
-    a.crop_sizes = (224, 224, 98)
-    a.crop_scale = ((0.32, 1.0), (0.32, 1.0), (0.05, 0.32))
-    a.flip_prob = (0.5,)
-    a.color_jitter_prob = (0.8,)
-    a.color_strength = 0.5  # (0.4, 0.4, 0.4, 0.1): saturation 0.4, DINOv2's 0.2
-    a.grayscale_prob = (0.2,)
-    a.blur_prob = (1.0, 0.1, 0.5)
-    a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = (0.0, 0.2, 0.0)
+    recipes.dino_views(c, num_local=8, local_size=98, split=0.32)
 
     # AdamW (0.9, 0.999), base_lr 2e-4 per 1024 with sqrt scaling (scaling_rule
     # sqrt_wrt_1024), linear warmup from 0 over 80 epochs, cosine to min_lr 1e-6; weight decay
@@ -219,22 +208,13 @@ def _demo(c: ml_collections.ConfigDict) -> None:
 def _test(c: ml_collections.ConfigDict) -> None:
     """Seconds-long runs: a 2-block ViT-Tiny with 4 px patches on 16 px crops (a 4 x 4 grid)
     and 8 px local crops, separate tiny heads, Sinkhorn centring, KoLeo over groups of 8."""
-    recipes.tiny(c)
-    c.model.trunk = "vit_tiny"
-    c.model.vit_depth = 2
-    c.model.patch_size = 4
-    c.model.image_size = 16
+    recipes.tiny_vit(c)
+    recipes.tiny_multicrop(c)
     c.model.drop_path_rate = 0.1
     # LayerScale at 0.1, not 1e-5: at 1e-5 an untrained trunk gives every image nearly the
     # same class token, and KoLeo's distances between them, differences of nearly equal
     # floats, change with the float rounding of any other batch layout (1 vs 4 devices).
     c.model.layerscale = 0.1
-    c.model.head_dims = ()
-    a = c.data.augment
-    a.num_crops = (1, 1, 2)
-    a.crop_sizes = (16, 16, 8)
-    a.crop_scale = ((0.3, 1.0), (0.3, 1.0), (0.2, 0.5))
-    a.solarize_prob = (0.0, 0.2, 0.0)
     m = c.method
     m.out_dim = m.patch_out_dim = 32
     m.hidden_dim = m.patch_hidden_dim = 32

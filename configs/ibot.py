@@ -71,23 +71,12 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.model.head_dims = ()
     c.model.dtype = "bfloat16"
 
-    # DataAugmentationiBOT (DINO's): 2 global crops at 224 px, scale (0.25, 1) (README), 10
-    # local crops at 96 px, scale (0.05, 0.25); flip, colour jitter p 0.8 (0.4, 0.4, 0.2, 0.1),
-    # grayscale 0.2; blur p 1.0 / 0.1 / 0.5; solarisation 0.2 on the second global crop.
+    # DataAugmentationiBOT (DINO's): global crops at scale (0.25, 1) (README), 10 local crops
+    # at 96 px.
     recipes.imagenet_data(c)
     c.data.batch_size = 1024  # --batch_size_per_gpu 64 x 16 GPUs
     c.data.image_size = 224
-    a = c.data.augment
-    a.num_crops = (1, 1, 10)
-    a.crop_sizes = (224, 224, 96)
-    a.crop_scale = ((0.25, 1.0), (0.25, 1.0), (0.05, 0.25))
-    a.flip_prob = (0.5,)
-    a.color_jitter_prob = (0.8,)
-    a.color_strength = 0.5  # (0.4, 0.4, 0.4, 0.1): saturation 0.4, iBOT's 0.2
-    a.grayscale_prob = (0.2,)
-    a.blur_prob = (1.0, 0.1, 0.5)
-    a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = (0.0, 0.2, 0.0)
+    recipes.dino_views(c, num_local=10, local_size=96, split=0.25)
 
     # AdamW at 5e-4 per 256 (--lr, linear scaling), 10 warmup epochs, cosine to 1e-6; weight
     # decay cosine 0.04 -> 0.4, not on biases and norms (utils.get_params_groups); each
@@ -154,18 +143,9 @@ def _demo(c: ml_collections.ConfigDict) -> None:
 def _test(c: ml_collections.ConfigDict) -> None:
     """Seconds-long runs: a 2-block ViT-Tiny with 4 px patches on 16 px crops (a 4 x 4 grid)
     and 8 px local crops, tiny heads, the temperature warming up over the first epoch."""
-    recipes.tiny(c)
-    c.model.trunk = "vit_tiny"
-    c.model.vit_depth = 2
-    c.model.patch_size = 4
-    c.model.image_size = 16
+    recipes.tiny_vit(c)
+    recipes.tiny_multicrop(c)
     c.model.drop_path_rate = 0.1
-    c.model.head_dims = ()
-    a = c.data.augment
-    a.num_crops = (1, 1, 2)
-    a.crop_sizes = (16, 16, 8)
-    a.crop_scale = ((0.3, 1.0), (0.3, 1.0), (0.2, 0.5))
-    a.solarize_prob = (0.0, 0.2, 0.0)
     m = c.method
     m.out_dim = m.patch_out_dim = 32
     m.hidden_dim = 32

@@ -147,12 +147,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
 def _test(c: ml_collections.ConfigDict) -> None:
     """Seconds-long runs for the test suite: a 2-block ViT-Tiny, 4 px patches on 16 px crops
     (16 patches, 4 visible), a one-block decoder 32 wide."""
-    recipes.tiny(c)
-    c.model.trunk = "vit_tiny"
-    c.model.vit_depth = 2
-    c.model.patch_size = 4
-    c.model.image_size = 16
-    c.model.head_dims = ()
+    recipes.tiny_vit(c)
     m = c.method
     m.decoder_dim = 32
     m.decoder_depth = 1

@@ -147,11 +147,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
 def _test(c: ml_collections.ConfigDict) -> None:
     """Seconds-long runs for the test suite: a 2-block ViT-Tiny with 4 px patches on 16 px
     crops (16 patches; the anchor keeps 12) and 8 px focal crops."""
-    recipes.tiny(c)
-    c.model.head_dims = ()
-    c.model.vit_depth = 2
-    c.model.patch_size = 4
-    c.model.image_size = 16
+    recipes.tiny_vit(c)
     a = c.data.augment
     a.num_crops = (2, 2)
     a.crop_sizes = (16, 8)

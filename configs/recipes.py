@@ -32,6 +32,26 @@ def byol_views(c: ml_collections.ConfigDict) -> None:
     a.solarize_prob = (0.0, 0.2)
 
 
+def dino_views(c: ml_collections.ConfigDict, num_local: int, local_size: int, split: float) -> None:
+    """DINO's multi-crop (Caron et al. 2021, main_dino.py's DataAugmentationDINO), which iBOT and
+    DINOv2 reuse with their own numbers: two global crops at 224 px of scale (split, 1) and
+    ``num_local`` local crops at ``local_size`` px of scale (0.05, split); flip 0.5; colour
+    jitter p 0.8 (0.4, 0.4, 0.2, 0.1) at strength 0.5, whose saturation is 0.4 (jssl's jitter
+    has one strength); grayscale 0.2; blur (sigma 0.1-2.0) p 1.0 on the first global crop, 0.1
+    on the second, 0.5 on the local ones; solarisation p 0.2 on the second global crop."""
+    a = c.data.augment
+    a.num_crops = (1, 1, num_local)
+    a.crop_sizes = (224, 224, local_size)
+    a.crop_scale = ((split, 1.0), (split, 1.0), (0.05, split))
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.8,)
+    a.color_strength = 0.5
+    a.grayscale_prob = (0.2,)
+    a.blur_prob = (1.0, 0.1, 0.5)
+    a.blur_sigma = (0.1, 2.0)
+    a.solarize_prob = (0.0, 0.2, 0.0)
+
+
 def demo_two_views(c: ml_collections.ConfigDict) -> None:
     """``byol_views`` at the demo's 32 px: no blur (see ``demo_data_and_model``)."""
     a = c.data.augment
@@ -194,3 +214,24 @@ def tiny(c: ml_collections.ConfigDict) -> None:
     c.log_every_steps = 2
     c.knn.enabled = False
     c.knn.batch_size = 100
+
+
+def tiny_vit(c: ml_collections.ConfigDict) -> None:
+    """``tiny`` with the test suite's ViT: 2 blocks of ViT-Tiny, 4 px patches on 16 px crops (a
+    4 x 4 grid), no projector MLP (the ViT methods' heads are their own)."""
+    tiny(c)
+    c.model.trunk = "vit_tiny"
+    c.model.vit_depth = 2  # seconds to compile; the published ViTs have 12 blocks and more
+    c.model.patch_size = 4
+    c.model.image_size = 16
+    c.model.head_dims = ()
+
+
+def tiny_multicrop(c: ml_collections.ConfigDict) -> None:
+    """``dino_views`` at the test size: two 16 px global crops and two 8 px local ones, so the
+    local crops' path runs."""
+    a = c.data.augment
+    a.num_crops = (1, 1, 2)
+    a.crop_sizes = (16, 16, 8)
+    a.crop_scale = ((0.3, 1.0), (0.3, 1.0), (0.2, 0.5))
+    a.solarize_prob = (0.0, 0.2, 0.0)

@@ -120,16 +120,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             train,
             method=_teacher_masked_patches,
         )
-        split = lambda x: common.split_crops(x.astype(jnp.float32), teacher_crops)  # noqa: E731
+        embeddings = ibot.distillation_embeddings(student, out, valid, teacher_crops)
         return Forward(
-            embeddings={
-                "student": student["cls"],
-                "teacher": jax.lax.stop_gradient(split(out["cls"])),
-                "student_patch": student["patch"],
-                "teacher_patch": jax.lax.stop_gradient(split(out["patch"])),
-                "mask": valid.astype(jnp.float32),
-                "cls_tokens": student["cls_tokens"].astype(jnp.float32),
-            },
+            embeddings=dict(embeddings, cls_tokens=student["cls_tokens"].astype(jnp.float32)),
             features=student["features"],
             batch_stats={},
         )

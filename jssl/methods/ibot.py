@@ -131,16 +131,10 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             train,
             method=_teacher_all_patches,
         )
-        split = lambda x: common.split_crops(x.astype(jnp.float32), teacher_crops)  # noqa: E731
+        embeddings = distillation_embeddings(student, out, valid, teacher_crops)
+        mean = common.split_crops(out["patch_mean"].astype(jnp.float32), teacher_crops)
         return Forward(
-            embeddings={
-                "student": student["cls"],
-                "teacher": jax.lax.stop_gradient(split(out["cls"])),
-                "student_patch": student["patch"],
-                "teacher_patch": jax.lax.stop_gradient(split(out["patch"])),
-                "teacher_patch_mean": jax.lax.stop_gradient(split(out["patch_mean"])),
-                "mask": valid.astype(jnp.float32),
-            },
+            embeddings=dict(embeddings, teacher_patch_mean=jax.lax.stop_gradient(mean)),
             features=student["features"],
             batch_stats={},
         )
@@ -290,6 +284,20 @@ def draw_masks(spec: masking.MaskSpec, views: Views, patch_size: int, rng, index
     masks = masking.sample_masks(spec, keys, crops, grid) & active  # (T, n, P)
     slots, valid = masking.masked_slots(masks, masking.max_masked(spec, grid[0] * grid[1]))
     return masks.reshape(crops * n, -1), slots, valid
+
+
+def distillation_embeddings(student: dict, teacher: dict, valid, teacher_crops: int) -> dict:
+    """What iBOT's and DINOv2's forward hand their objective: the student's [CLS] and
+    masked-patch outputs, the teacher's (stop-gradient, laid out per teacher crop) and the
+    mask of the patch slots that hold a masked patch."""
+    split = lambda x: common.split_crops(x.astype(jnp.float32), teacher_crops)  # noqa: E731
+    return {
+        "student": student["cls"],
+        "teacher": jax.lax.stop_gradient(split(teacher["cls"])),
+        "student_patch": student["patch"],
+        "teacher_patch": jax.lax.stop_gradient(split(teacher["patch"])),
+        "mask": valid.astype(jnp.float32),
+    }
 
 
 def apply_student(model, params, views: Views, masks, slots, rng, index, train: bool) -> dict:
