@@ -4,7 +4,8 @@ with jssl can go to detection or segmentation code in PyTorch.
 The trunk is read as the extraction engine reads it (``evaluation.frozen.load_frozen_model``:
 ``init.checkpoint`` a jssl workdir, one ``checkpoints/<step>`` dir or a PyTorch /
 safetensors file; the ``model.*`` fields from the source workdir's config.json) and converted
-by ``jssl.models.torch_export`` (torchvision's names for a ResNet, timm's for a ViT). A
+by ``jssl.models.torch_export`` (torchvision's names for a ResNet, timm's for a ViT, DINOv2's
+for a ViT with LayerScale, registers or SwiGLU). A
 workdir's newest complete checkpoint is exported, and its step recorded; a damaged one stops
 the export (pass an older ``checkpoints/<step>``) rather than silently exporting another.
 

@@ -1,7 +1,8 @@
 """jssl trunks as PyTorch state dicts: a ResNet under torchvision's names
 (``torchvision/models/resnet.py``), a ViT under timm's (``timm/models/vision_transformer.py``),
-in PyTorch layouts (conv OIHW, Linear (out, in)), for detection or segmentation code in
-PyTorch.
+or, with LayerScale, registers or SwiGLU, under DINOv2's (``dinov2/models/
+vision_transformer.py``), in PyTorch layouts (conv OIHW, Linear (out, in)), for detection or
+segmentation code in PyTorch.
 
 The names come from the import's own table (``torch_import._torch_name``,
 ``vit_import.torch_name``) and the layouts from the inverse of its transform
@@ -25,7 +26,8 @@ from jssl.models.vit import SIZES as VIT_SIZES
 
 SUPPORTED = (
     "ResNets (resnet18/34/50/101/152, under torchvision's names) and ViTs "
-    "(vit_tiny/small/base/large/huge/giant, under timm's names)"
+    "(vit_tiny/small/base/large/huge/giant, under timm's names; with LayerScale, registers or "
+    "SwiGLU under DINOv2's)"
 )
 
 
@@ -61,13 +63,25 @@ def resnet_state_dict(
 
 
 def vit_state_dict(params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """``params`` of jssl's ViT -> timm's ``VisionTransformer`` state dict (no head)."""
-    return {
+    """``params`` of jssl's ViT -> timm's ``VisionTransformer`` state dict (no head), or
+    DINOv2's ``DinoVisionTransformer``'s for a trunk with LayerScale, registers or SwiGLU
+    (with the zero ``mask_token`` of shape (1, D) that DINOv2's model holds, so that it loads
+    strictly)."""
+    state = {
         vit_import.torch_name(path): np.ascontiguousarray(
             to_torch_layout(np.asarray(value, np.float32))
         )
         for path, value in traverse_util.flatten_dict(params).items()
     }
+    if _dinov2_layout(state):
+        width = state["cls_token"].shape[-1]
+        mask = state.pop("mask_token", np.zeros((1, width), np.float32))
+        state["mask_token"] = np.ascontiguousarray(mask.reshape(1, width))
+    return state
+
+
+def _dinov2_layout(state: dict[str, Any]) -> bool:
+    return any(k == "register_tokens" or ".ls1." in k or ".mlp.w12." in k for k in state)
 
 
 def trunk_state_dict(
@@ -147,6 +161,8 @@ def _resnet_model(m: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def _vit_model(m: ml_collections.ConfigDict) -> dict[str, Any]:
     vit = models.build_vit(m)
+    if vit.layerscale or vit.num_registers or vit.ffn == "swiglu":
+        return _dinov2_model(m, vit)
     kwargs = {
         "img_size": vit.image_size,
         "patch_size": vit.patch_size,
@@ -191,6 +207,58 @@ def _vit_model(m: ml_collections.ConfigDict) -> dict[str, Any]:
         "pytorch": {
             "library": "timm",
             "constructor": "timm.models.vision_transformer.VisionTransformer",
+            "kwargs": kwargs,
+            "after": [],
+            "builds_exactly": True,
+        },
+        "notes": notes,
+    }
+
+
+def _dinov2_model(m: ml_collections.ConfigDict, vit: Any) -> dict[str, Any]:
+    """DINOv2's ``DinoVisionTransformer`` (facebookresearch/dinov2, ``hubconf``'s
+    ``dinov2_vit*14``), which holds LayerScale, registers and the fused SwiGLU as jssl does."""
+    kwargs = {
+        "img_size": vit.image_size,
+        "patch_size": vit.patch_size,
+        "embed_dim": vit.embed_dim,
+        "depth": vit.depth,
+        "num_heads": vit.num_heads,
+        "mlp_ratio": vit.mlp_dim / vit.embed_dim,
+        "ffn_layer": "swiglufused" if vit.ffn == "swiglu" else "mlp",
+        "init_values": vit.layerscale or None,
+        "num_register_tokens": vit.num_registers,
+        "block_chunks": 0,
+    }
+    notes = [
+        f"The trunk alone: model(x) in eval mode returns jssl's avgpool tap, the "
+        f"({vit.embed_dim},) class token after the final norm. The method's heads are not "
+        "exported; mask_token is zeros (jssl's evaluation trunk has none).",
+        f"pos_embed is laid out for {vit.image_size} px; DINOv2 resamples it for other sizes "
+        "with its own bicubic interpolation (jssl resamples as timm does), so only that size "
+        "gives jssl's figures exactly.",
+        "timm reads the file as vit_*_dinov2 through its checkpoint filter.",
+    ]
+    if vit.depth != VIT_SIZES[str(m.trunk)][1]:
+        notes.append(f"vit_depth={vit.depth}: fewer blocks than {m.trunk}'s own (demo/test).")
+    return {
+        "architecture": {
+            "family": "vit",
+            "trunk": str(m.trunk),
+            "embed_dim": vit.embed_dim,
+            "depth": vit.depth,
+            "num_heads": vit.num_heads,
+            "mlp_dim": vit.mlp_dim,
+            "patch_size": vit.patch_size,
+            "image_size": vit.image_size,
+            "layerscale": vit.layerscale,
+            "num_registers": vit.num_registers,
+            "ffn": vit.ffn,
+            "feature_dim": vit.embed_dim,
+        },
+        "pytorch": {
+            "library": "dinov2",
+            "constructor": "dinov2.models.vision_transformer.DinoVisionTransformer",
             "kwargs": kwargs,
             "after": [],
             "builds_exactly": True,

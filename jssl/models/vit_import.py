@@ -1,9 +1,15 @@
-"""Import PyTorch ViT weights (timm, DINO, MoCo v3) into jssl's ``VisionTransformer``.
+"""Import PyTorch ViT weights (timm, DINO, MoCo v3, DINOv2) into jssl's ``VisionTransformer``.
 
-The three publish the same state-dict layout (timm's ``VisionTransformer``, which DINO's
+The first three publish the same state-dict layout (timm's ``VisionTransformer``, which DINO's
 ``vision_transformer.py`` and MoCo v3's ``vits.py`` reuse): ``cls_token``, ``pos_embed``,
 ``patch_embed.proj.{weight,bias}``, ``blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.*``
 and ``norm.*``; a classifier or projection ``head.*`` is not part of the trunk and is dropped.
+DINOv2's ``DinoVisionTransformer`` (facebookresearch/dinov2 ``models/vision_transformer.py``)
+adds ``blocks.N.ls1.gamma`` / ``ls2.gamma`` (LayerScale), ``register_tokens`` and, for its
+SwiGLU trunks, ``blocks.N.mlp.w12`` / ``mlp.w3``: jssl's names for those (``torch_name``).
+timm's copies of the DINOv2 models (``vit_*_dinov2``) are read too: their ``reg_token``,
+packed SwiGLU ``mlp.fc1`` / ``mlp.fc2`` and class-token-free ``pos_embed`` (``no_embed_class``:
+the class token's position folded into it) become DINOv2's.
 Wrappers and prefixes are removed as for ResNets (``jssl.models.torch_import``): DINO's
 ``teacher`` with ``backbone.``, MoCo v3's ``state_dict`` with ``module.base_encoder.``. A
 ``.safetensors`` file (timm's hub files, jssl's export) is read without torch.
@@ -29,8 +35,13 @@ from jssl.models.torch_import import _summarise, load_torch_state_dict, to_flax_
 from jssl.models.vit import resample_pos_embed
 
 ANCHOR = "blocks.0.attn.qkv.weight"
-_TRUNK_KEY = re.compile(r"(cls_token|pos_embed|patch_embed\.|blocks\.|norm\.|norm_pre\.|reg_token)")
-_LEAVES = {"kernel": "weight", "scale": "weight", "bias": "bias"}
+_TRUNK_KEY = re.compile(
+    r"(cls_token|pos_embed|patch_embed\.|blocks\.|norm\.|norm_pre\.|reg_token|register_tokens)"
+)
+_LEAVES = {"kernel": "weight", "scale": "weight", "bias": "bias", "gamma": "gamma"}
+# jssl's module names under the timm / DINOv2 names (DINOv2's SwiGLU is mlp.w12 then mlp.w3).
+_MODULES = {"patch_embed": "patch_embed.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+_MODULES.update(w12="mlp.w12", w3="mlp.w3")
 
 
 def torch_name(path: tuple[str, ...]) -> str:
@@ -42,10 +53,7 @@ def torch_name(path: tuple[str, ...]) -> str:
     parts = []
     for name in path[:-1]:
         name = re.sub(r"^blocks_(\d+)$", r"blocks.\1", name)
-        name = {"patch_embed": "patch_embed.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}.get(
-            name, name
-        )
-        parts.append(name)
+        parts.append(_MODULES.get(name, name))
     return ".".join([*parts, _LEAVES[path[-1]]])
 
 
@@ -58,6 +66,7 @@ def torch_vit_to_flax(
     architecture the file looks like.
     """
     model = build_vit(model_config)
+    state_dict = dinov2_names(state_dict, model_config)
     size = model.image_size
     shapes = jax.eval_shape(
         lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)
@@ -101,6 +110,35 @@ def torch_vit_to_flax(
     if ignored:
         logging.info("Ignoring %d non-trunk keys, e.g. %s", len(ignored), ignored[:3])
     return {"params": traverse_util.unflatten_dict(flat)}
+
+
+def dinov2_names(
+    state_dict: dict[str, np.ndarray], model_config: ml_collections.ConfigDict
+) -> dict[str, np.ndarray]:
+    """timm's copies of DINOv2's models under DINOv2's own names (what ``torch_name`` reads):
+    ``reg_token`` -> ``register_tokens``; with ``model.ffn="swiglu"`` the packed
+    ``mlp.fc1`` / ``mlp.fc2`` -> ``mlp.w12`` / ``mlp.w3`` (the same halves: SiLU of the first
+    times the second, timm's ``SwiGLUPacked``); a ``pos_embed`` without the class token's row
+    (timm's ``no_embed_class``, whose class token already holds that position) gets a zero
+    row. Anything else is returned as is."""
+    out = dict(state_dict)
+    if "reg_token" in out and "register_tokens" not in out:
+        out["register_tokens"] = out.pop("reg_token")
+    if str(model_config.get("ffn", "mlp")) == "swiglu":
+        for key in [k for k in out if re.match(r"blocks\.\d+\.mlp\.fc[12]\.", k)]:
+            new = key.replace("mlp.fc1.", "mlp.w12.").replace("mlp.fc2.", "mlp.w3.")
+            out[new] = out.pop(key)
+    pos = out.get("pos_embed")
+    if pos is not None and np.ndim(pos) == 3:
+        tokens = np.shape(pos)[1]
+        if _is_square(tokens) and not _is_square(tokens - 1):
+            zero = np.zeros((1, 1, np.shape(pos)[2]), np.asarray(pos).dtype)
+            out["pos_embed"] = np.concatenate([zero, np.asarray(pos)], axis=1)
+    return out
+
+
+def _is_square(n: int) -> bool:
+    return n > 0 and int(round(n**0.5)) ** 2 == n
 
 
 def import_torch_vit(path: str, model_config: ml_collections.ConfigDict) -> dict[str, Any]:

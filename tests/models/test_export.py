@@ -253,3 +253,39 @@ def test_unreadable_safetensors_are_clear(tmp_path):
     save_file({"encoder.weight": np.zeros(3, np.float32)}, str(other))
     with pytest.raises(ValueError, match=r"No ResNet weights found.*encoder\.weight"):
         torch_import.load_torch_state_dict(str(other))
+
+
+def test_a_dinov2_style_vit_exports_in_dinov2s_layout_and_imports_back():
+    """LayerScale, registers and SwiGLU: DINOv2's names (ls1.gamma, register_tokens,
+    mlp.w12 / w3, a zero (1, D) mask_token so that DinoVisionTransformer loads it strictly),
+    its constructor in the record, and the same arrays after import (also from timm's copy of
+    that layout: reg_token, packed mlp.fc1 / fc2, no class-token position)."""
+    config = models.default_config()
+    config.trunk, config.patch_size, config.image_size, config.head_dims = "vit_tiny", 8, 32, ()
+    config.vit_depth, config.num_registers, config.ffn, config.layerscale = 2, 4, "swiglu", 0.1
+    model = models.build_trunk(config)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), shapes["params"])
+    state = torch_export.vit_state_dict(params)
+    assert state["blocks.1.ls2.gamma"].shape == (192,) and state["mask_token"].shape == (1, 192)
+    assert state["blocks.0.mlp.w12.weight"].shape == (1024, 192)  # 2 x 512 out, PyTorch layout
+    assert state["register_tokens"].shape == (1, 4, 192) and "blocks.0.mlp.fc1.weight" not in state
+    record = torch_export.pytorch_model(config)["pytorch"]
+    assert record["library"] == "dinov2" and record["kwargs"]["ffn_layer"] == "swiglufused"
+    assert (record["kwargs"]["init_values"], record["kwargs"]["num_register_tokens"]) == (0.1, 4)
+    back = vit_import.torch_vit_to_flax(state, config)["params"]
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    timm_state = {
+        k.replace("mlp.w12.", "mlp.fc1.").replace("mlp.w3.", "mlp.fc2."): v
+        for k, v in state.items()
+        if k not in ("register_tokens", "mask_token")
+    }
+    timm_state["reg_token"] = state["register_tokens"]
+    renamed = vit_import.dinov2_names(timm_state, config)
+    assert set(renamed) == set(state) - {"mask_token"}
+    key = "blocks.0.mlp.w3.weight"
+    np.testing.assert_array_equal(renamed[key], state[key])
+    timm_state["pos_embed"] = state["pos_embed"][:, 1:]  # no_embed_class: a zero row comes back
+    padded = vit_import.dinov2_names(timm_state, config)["pos_embed"]
+    assert padded.shape == (1, 17, 192) and not padded[:, 0].any()

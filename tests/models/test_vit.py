@@ -4,7 +4,10 @@ the import of timm / DINO / MoCo v3 files, and the evaluation engines on an impo
 timm itself is not a dependency (it pulls torchvision and a torch upgrade); the same comparison
 against ``timm.models.vision_transformer.VisionTransformer(dynamic_img_size=True)``, run by hand
 on 2026-11-22 with timm 1.0.31 and ViT-Tiny/16 weights, gave max differences of 2.7e-6 (224 px)
-and 2.1e-6 (96 px) in the class token."""
+and 2.1e-6 (96 px) in the class token; on 2026-11-27, on random weights at 224 px, timm's
+ViT-L/16, ViT-H/14 and ViT-g/14 gave 5.3e-6, 4.8e-6 and 4.9e-6, and its DINOv2 copies ViT-S/14,
+ViT-S/14 with 4 registers and ViT-g/14 (SwiGLU) with 4 registers 2.1e-6, 2.7e-6 and 8.5e-6, each
+with timm's parameter count."""
 
 import json
 import os
@@ -69,6 +72,37 @@ def test_forward_matches_torch(tiny224, size):
     np.testing.assert_allclose(taps["concat_cls4"], cls4, **tol)
     np.testing.assert_allclose(taps["block9"], cls4[:, :192], **tol)
     assert taps["cls_patch_avg"].shape == (2, 384)
+
+
+def _dinov2_config():
+    config = _model_config("vit_tiny", 8, 32)
+    config.vit_depth, config.num_registers, config.ffn, config.layerscale = 2, 4, "swiglu", 1e-5
+    return config
+
+
+def test_a_dinov2_layout_vit_imports_and_matches_torch():
+    """DINOv2's layout (LayerScale ls1/ls2, register_tokens, SwiGLU mlp.w12/w3) and timm's copy
+    of it (reg_token, packed mlp.fc1/fc2, the class token's position folded into the class
+    token): both import to a trunk whose class token equals the PyTorch model's."""
+    torch.manual_seed(1)
+    net = TorchViT(32, 8, dim=192, depth=2, layerscale=1e-5, registers=4, swiglu=True).eval()
+    x = np.random.default_rng(3).normal(size=(2, 32, 32, 3)).astype(np.float32)
+    with torch.no_grad():
+        expected = net.get_class_tokens(torch.from_numpy(x).permute(0, 3, 1, 2))[-1][:, 0]
+    state = _numpy_state(net)
+    timm_state = {
+        k.replace("mlp.w12.", "mlp.fc1.").replace("mlp.w3.", "mlp.fc2."): v
+        for k, v in state.items()
+        if k not in ("register_tokens", "pos_embed", "cls_token")
+    }
+    timm_state["reg_token"] = state["register_tokens"]
+    timm_state["cls_token"] = state["cls_token"] + state["pos_embed"][:, :1]
+    timm_state["pos_embed"] = state["pos_embed"][:, 1:]  # 16 rows: timm's no_embed_class
+    trunk = models.build_trunk(_dinov2_config())
+    apply = jax.jit(lambda v, x: trunk.apply(v, x, train=False)["avgpool"])
+    for layout in (state, timm_state):
+        variables = vit_import.torch_vit_to_flax(layout, _dinov2_config())
+        np.testing.assert_allclose(apply(variables, x), expected.numpy(), atol=1e-4, rtol=1e-4)
 
 
 def test_parameter_counts_match_the_published_models():

@@ -1,5 +1,6 @@
 """A timm-layout PyTorch ViT (timm is not a dependency), shared by the tests of ViT weight
-import and export."""
+import and export; with LayerScale, registers or SwiGLU it is DINOv2's DinoVisionTransformer
+(facebookresearch/dinov2 models/vision_transformer.py) in its layout."""
 
 import torch
 
@@ -12,9 +13,19 @@ class TorchViT(torch.nn.Module):
     head): the reference the jssl trunk must match. ``get_class_tokens`` returns the normed
     class token after each block, as timm's / DINO's get_intermediate_layers(norm=True)."""
 
-    def __init__(self, image_size=224, patch=16, dim=192, depth=12, heads=3):
+    def __init__(
+        self,
+        image_size=224,
+        patch=16,
+        dim=192,
+        depth=12,
+        heads=3,
+        layerscale=0.0,
+        registers=0,
+        swiglu=False,
+    ):
         super().__init__()
-        self.heads, self.patch = heads, patch
+        self.heads, self.patch, self.swiglu = heads, patch, swiglu
         self.patch_embed = torch.nn.Module()
         self.patch_embed.proj = torch.nn.Conv2d(3, dim, patch, patch)
         self.cls_token = torch.nn.Parameter(torch.randn(1, 1, dim) * 0.1)
@@ -28,9 +39,22 @@ class TorchViT(torch.nn.Module):
             block.attn.proj = torch.nn.Linear(dim, dim)
             block.norm2 = torch.nn.LayerNorm(dim, eps=1e-6)
             block.mlp = torch.nn.Module()
-            block.mlp.fc1 = torch.nn.Linear(dim, 4 * dim)
-            block.mlp.fc2 = torch.nn.Linear(4 * dim, dim)
+            if swiglu:  # DINOv2's SwiGLUFFNFused: hidden 2/3 of 4 x dim, rounded up to 8
+                hidden = (int(4 * dim * 2 / 3) + 7) // 8 * 8
+                block.mlp.w12 = torch.nn.Linear(dim, 2 * hidden)
+                block.mlp.w3 = torch.nn.Linear(hidden, dim)
+            else:
+                block.mlp.fc1 = torch.nn.Linear(dim, 4 * dim)
+                block.mlp.fc2 = torch.nn.Linear(4 * dim, dim)
+            if layerscale:  # DINOv2's ls1 / ls2
+                for name in ("ls1", "ls2"):
+                    setattr(block, name, torch.nn.Module())
+                    getattr(block, name).gamma = torch.nn.Parameter(
+                        layerscale + 0.1 * torch.randn(dim)
+                    )
             self.blocks.append(block)
+        if registers:  # DINOv2's register_tokens, after the class token, no position
+            self.register_tokens = torch.nn.Parameter(torch.randn(1, registers, dim) * 0.1)
         self.norm = torch.nn.LayerNorm(dim, eps=1e-6)
         with torch.no_grad():  # non-trivial norms and biases
             for name, p in self.named_parameters():
@@ -53,9 +77,20 @@ class TorchViT(torch.nn.Module):
         grid = F.interpolate(grid, size=(h, w), mode="bicubic", antialias=True)
         pos = torch.cat([self.pos_embed[:, :1], grid.permute(0, 2, 3, 1).reshape(1, h * w, d)], 1)
         x = torch.cat([self.cls_token.expand(b, -1, -1), x.flatten(2).transpose(1, 2)], 1) + pos
+        if hasattr(self, "register_tokens"):
+            regs = self.register_tokens.expand(b, -1, -1)
+            x = torch.cat([x[:, :1], regs, x[:, 1:]], 1)
         tokens = []
         for block in self.blocks:
-            x = x + self._attention(block, block.norm1(x))
-            x = x + block.mlp.fc2(F.gelu(block.mlp.fc1(block.norm2(x))))
+            scale1 = block.ls1.gamma if hasattr(block, "ls1") else 1.0
+            scale2 = block.ls2.gamma if hasattr(block, "ls2") else 1.0
+            x = x + scale1 * self._attention(block, block.norm1(x))
+            x = x + scale2 * self._mlp(block, block.norm2(x))
             tokens.append(self.norm(x))
         return tokens
+
+    def _mlp(self, block, x):
+        if self.swiglu:
+            first, second = block.mlp.w12(x).chunk(2, dim=-1)
+            return block.mlp.w3(F.silu(first) * second)
+        return block.mlp.fc2(F.gelu(block.mlp.fc1(x)))
