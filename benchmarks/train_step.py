@@ -10,6 +10,8 @@ r"""Images/s, compile time and peak memory of the train step, per method, model 
                                                           # jssl's machinery (bare_step.py)
   python benchmarks/train_step.py --methods=dino,mocov3 --cases=vit_t_32 --dtypes=float32 \
       --reference=moco:r18_32_b64                         # ViT rows, img/s ratio to MoCo ResNet
+  python benchmarks/train_step.py --methods=mae,ibot,dinov2,msn --cases=vit_t_32 \
+      --dtypes=float32 --reference=dino:vit_t_32          # the masked ViT methods / DINO
   python benchmarks/report.py                             # results/*.json -> docs/benchmarks.md
 
 Each run prints its table and writes it to benchmarks/results/train_step[-<mode>].json
@@ -22,7 +24,17 @@ patches); vit_s16_224 = ViT-S/16 at 224 px, batch 32 (DINO's and MoCo v3's ViT).
 multi-crop: 2 crops at the case's size + 6 small ones (``small`` px), so its images/s count
 images of 8 crops; DINO takes the same crops (2 global + 6 local) and its 65536-wide head (on a
 ViT: its ViT-S recipe, drop path 0.1). Barlow Twins and VICReg keep their 8192-8192-8192
-projectors; MoCo v3 on a ViT its 4096-4096-256 projector. Synthetic inputs, so this measures
+projectors; MoCo v3 on a ViT its 4096-4096-256 projector. On the ViT cases iBOT and DINOv2 take
+DINO's crops with their own masks and heads (iBOT one 8192-wide head for [CLS] and patches;
+DINOv2 separate 131072-wide [CLS] and patch heads, Sinkhorn-Knopp centring and KoLeo, on a
+ViT with LayerScale and the GELU MLP); MSN the target, one random-masked anchor (15% of the
+patches dropped) and 6 small focal crops, 1024 prototypes; MAE one view, 75% of its patches
+masked, an 8-block decoder scaled to the trunk (ViT-Tiny: 128 wide). DeepCluster-v2 (ResNet
+cases) takes 2 crops, three heads of 3000 clusters and a memory bank of 50,000 rows (CIFAR-10's
+train split, ``step_cases.DEEPCLUSTER_BANK_ROWS``; its preset sizes the bank by the train
+split, 1.28M rows on ImageNet); its once-an-epoch k-means is compiled in but not timed.
+benchmarks/step_cases.py says what each case changes from a method's preset. A row's img/s
+counts images (one example with all its crops). Synthetic inputs, so this measures
 the step alone (benchmarks/input_pipeline.py measures the data). img/s = global batch / median
 step time (one warm-up step after compiling, then ``--steps`` timed one by one). TFLOP/s is
 XLA's count of one device's floating-point operations in the step (``mfu.step_flops``) over the
