@@ -39,6 +39,10 @@ def test_presets_follow_vissl_and_the_swav_repository():
     assert multicrop.optim.final_lr_fraction == pytest.approx(0.0048 / 4.8)
     demo = configs.get_config("demo")
     assert demo.data.augment.crop_sizes == (32,) and demo.knn.enabled
+    # The memory pass holds the parameters through the warmup's first epoch: the warmup must
+    # reach past it, or the first trained step is taken at the peak rate.
+    assert demo.optim.warmup_epochs > demo.method.memory_fill_epochs
+    assert configs.get_config("test").method.temperature == 0.1  # the reference's
 
 
 @pytest.mark.parametrize(
@@ -64,11 +68,11 @@ def test_bad_settings_name_the_field(field, value, message):
 
 def test_the_memory_pass_holds_every_parameter_for_its_epochs():
     config = configs.get_config("demo")
-    config.method.num_examples = 8000  # the demo's train split, without reading it
-    method = methods.get(config, steps_per_epoch=62)
-    assert method.frozen_params == (("trunk", 62), ("head", 62))
+    config.method.num_examples = 2048  # the demo's train subset, without reading it
+    method = methods.get(config, steps_per_epoch=16)
+    assert method.frozen_params == (("trunk", 16), ("head", 16))
     config.method.memory_fill_epochs = 0
-    assert methods.get(config, steps_per_epoch=62).frozen_params == ()
+    assert methods.get(config, steps_per_epoch=16).frozen_params == ()
     # The optimizer holds them fixed (jssl.optim.freeze_for_steps): nothing else is trainable.
     config.method.memory_fill_epochs = 2
     params = {"trunk": {"w": jnp.ones(2)}, "head": {"w": jnp.ones(2)}}
@@ -151,7 +155,8 @@ def test_kmeans_at_epoch_starts_the_targets_and_the_bank_rows():
     # The objective: the stored assignments of the batch's rows are the targets.
     terms, carry = train_step(state, z, batch)
     heads = [memory["centroids"]["head0"], memory["centroids"]["head1"]]
-    want, _ = losses.cluster_prediction_loss(z, heads, memory["assignments"][:, index], 0.1)
+    temperature = config.method.temperature
+    want, _ = losses.cluster_prediction_loss(z, heads, memory["assignments"][:, index], temperature)
     np.testing.assert_allclose(terms, want, rtol=1e-6)
     np.testing.assert_array_equal(carry["bank_rows"], z[:2])  # crops_for_mb (0, 1)
     np.testing.assert_array_equal(carry["bank_index"], index)
@@ -196,7 +201,7 @@ def test_kmeans_at_epoch_starts_the_targets_and_the_bank_rows():
     # The test phase: every head's target is its nearest centroid to crop h % 2.
     terms = test_step(state, z, batch)[0]
     heads = [after["centroids"]["head0"], after["centroids"]["head1"]]
-    want = losses.cluster_prediction_loss(z, heads, _nearest(z, heads), 0.1)[0]
+    want = losses.cluster_prediction_loss(z, heads, _nearest(z, heads), temperature)[0]
     np.testing.assert_allclose(terms, want, rtol=1e-6)
 
 

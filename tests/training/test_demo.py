@@ -27,6 +27,7 @@ DEMOS = {
     "vicreg": 10.0,
     "mocov3": 10.0,
     "mocov3:demo_vit": 10.0,
+    "deepclusterv2": 10.0,
     "supervised": 10.0,
 }
 
