@@ -73,8 +73,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 def training_config(config: ml_collections.ConfigDict, path: str) -> ml_collections.ConfigDict:
     """The config the loss is computed under: the trained run's (recorded with the weights at
-    ``path``) with this config's model fields, ``test_loss.split`` and ``batch_size`` as its
-    test split and batch, and the kNN monitor off."""
+    ``path``) with this config's model fields, ``test_loss.split`` as its test split and the
+    kNN monitor off. Its batch size stays the run's: the method's schedules count epochs in
+    its steps (``run`` reads the split in batches of ``test_loss.batch_size``)."""
     try:
         train = source_model.method_config(config, path)
     except ValueError:
@@ -85,7 +86,6 @@ def training_config(config: ml_collections.ConfigDict, path: str) -> ml_collecti
     t = config.test_loss
     with train.unlocked():
         train.data.test_split = t.split
-        train.data.batch_size = t.batch_size
         train.knn.enabled = False
         train.eval_outputs = t.outputs
     return train
@@ -98,9 +98,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     path = evaluators.resolve(config.init.checkpoint)
     train = training_config(config, path)
     mesh = parallel.make_mesh()
-    steps_per_epoch = progress.steps_per_epoch(train)
+    steps_per_epoch = progress.steps_per_epoch(train)  # at the run's batch size
     method = methods.get(train, steps_per_epoch)
     state, state_dir = frozen.load_train_state(train, method, mesh, path)
+    with train.unlocked():
+        train.data.batch_size = config.test_loss.batch_size  # the evaluation pass's
     step = int(jax.device_get(state.step))
     writer = make_writer(workdir)
     eval_step = monitor.make_test_step(train, method, mesh)

@@ -19,6 +19,7 @@ from configs import svm as svm_config
 from configs import test_loss as test_loss_config
 from jssl import engines, methods, parallel
 from jssl.engines import evaluate
+from jssl.engines import test_loss as test_loss_engine
 from jssl.evaluation import evaluators, monitor
 
 
@@ -198,8 +199,10 @@ def test_the_test_loss_is_the_method_loss_of_the_saved_state(shared_dirs, traine
     alone.data.data_dir = shared_dirs[0]
     alone.init.checkpoint = trained
     alone.test_loss.split = "test[:100]"
+    alone.test_loss.batch_size = 32  # the run's is 16: only the evaluation pass reads this
+    assert test_loss_engine.training_config(alone, trained).data.batch_size == 16
     out = engines.run(alone, str(tmp_path / "alone"))
-    assert out["loss"] == record["results"]["loss"]
+    np.testing.assert_allclose(out["loss"], record["results"]["loss"], rtol=1e-6)
     assert out["protocol"]["checkpoint"] == os.path.join(trained, "checkpoints", "8")
 
 
