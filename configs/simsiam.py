@@ -80,6 +80,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             recipes.tiny(c)
             c.model.head_dims = (64, 32, 32, 16)  # three layers, as SimSiam's projector
             c.method.predictor_dims = (16, 8, 16)
+            # The test preset keeps the rates its tests were written with (LARS 0.3 per 256).
+            c.optim.base_lr = 0.3
+            c.optim.weight_decay = 1e-4
     else:
         raise ValueError(
             f"Unknown preset {preset!r} of configs/simsiam.py: use '', 'imagenet', 'demo' or "
@@ -92,8 +95,10 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     """The demo data and network every method's demo uses, with BYOL's demo recipe without
     its EMA target (SimSiam is BYOL without the momentum encoder, Chen & He 2021 Sec. 5): LARS
     as solo-learn's CIFAR recipes, the predictor at 10x the rate, projector 128-256-64 and
-    predictor 64-256-64, at 0.3 per 256 with weight decay 1e-4 (at BYOL's 0.5 the outputs
-    partially collapse). Figures: docs/methods.md.
+    predictor 64-256-64, at 0.15 per 256 with SimSiam's CIFAR weight decay 5e-4. At
+    BYOL's 0.5, or at 0.3, the outputs partially collapse (the features' effective rank falls
+    to a few dimensions), below random-init features on some machines. Figures:
+    docs/methods.md.
     """
     recipes.demo_data_and_model(c)
     c.num_epochs = 4
@@ -101,5 +106,5 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.head_dims = (128, 256, 64)
     c.model.sync_bn = True
     c.method.predictor_dims = (64, 256, 64)
-    recipes.demo_lars(c, base_lr=0.3, weight_decay=1e-4)
+    recipes.demo_lars(c, base_lr=0.15, weight_decay=5e-4)
     c.optim.param_groups = (("predictor", 10.0),)
