@@ -124,8 +124,14 @@ def _perturbed(tree: Any, key: jax.Array, scale: float | None) -> Any:
 # time, also the methods whose real step their own files compile in CI: BYOL
 # (test_byol.py's EMA target), SimSiam (test_simsiam.py's stop-gradient) and MoCo v3
 # (test_mocov3.py, and test_parallel.py's mocov3 row on 1 and 4 devices); DINOv2, whose step
-# is iBOT's (its row here) with KoLeo and Sinkhorn, compiled in test_dinov2.py's terms tests.
+# is iBOT's (its row here) with KoLeo and Sinkhorn, compiled in test_dinov2.py's terms tests;
+# Barlow Twins and VICReg (their train steps on 1 and 4 devices: test_barlow_twins.py and
+# test_vicreg.py through tests/support/decorrelation_parity.py); SwAV (test_swav.py's frozen
+# prototypes and queue, its compiled step); DeepCluster v2 (test_deepclusterv2.py's k-means at
+# epoch starts, its compiled step); the supervised method (test_supervised.py trains it end to
+# end with test phases).
 SLOW_CASES = ("dino_vit", "mocov3_vit", "byol", "simsiam", "mocov3", "dinov2")
+SLOW_CASES += ("barlow_twins", "vicreg", "swav", "deepclusterv2", "supervised")
 
 
 @pytest.mark.parametrize(
