@@ -195,6 +195,13 @@ def test_the_test_loss_is_the_method_loss_of_the_saved_state(shared_dirs, traine
     )
     np.testing.assert_allclose(record["results"]["loss"], reference["loss"], rtol=1e-6)
 
+
+@pytest.mark.slow  # CI: the same engine inside training (the test above)
+def test_the_standalone_test_loss_reads_the_workdir_at_its_own_batch(
+    shared_dirs, trained, tmp_path
+):
+    with open(os.path.join(trained, "evals", "results.json")) as f:
+        record = json.load(f)["timeline"][1]["evals"]["test_loss"]
     alone = test_loss_config.get_config("test")  # the standalone engine on the workdir
     alone.data.data_dir = shared_dirs[0]
     alone.init.checkpoint = trained

@@ -129,9 +129,9 @@ def _perturbed(tree: Any, key: jax.Array, scale: float | None) -> Any:
 # test_vicreg.py through tests/support/decorrelation_parity.py); SwAV (test_swav.py's frozen
 # prototypes and queue, its compiled step); DeepCluster v2 (test_deepclusterv2.py's k-means at
 # epoch starts, its compiled step); the supervised method (test_supervised.py trains it end to
-# end with test phases).
+# end with test phases); iBOT (test_ibot.py compiles its forward and runs its objective).
 SLOW_CASES = ("dino_vit", "mocov3_vit", "byol", "simsiam", "mocov3", "dinov2")
-SLOW_CASES += ("barlow_twins", "vicreg", "swav", "deepclusterv2", "supervised")
+SLOW_CASES += ("barlow_twins", "vicreg", "swav", "deepclusterv2", "supervised", "ibot")
 
 
 @pytest.mark.parametrize(
