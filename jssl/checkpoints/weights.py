@@ -6,10 +6,8 @@ Sources (``init.checkpoint``):
   directory ``workdir/checkpoints/<step>``: only ``params`` and ``batch_stats`` of the saved
   TrainState are read (orbax partial restore), so the optimizer, the momentum encoder and
   the queue are never loaded and the optimizer config does not have to match;
-- a PyTorch ResNet file (``.torch`` from VISSL's model zoo, ``.pth``/``.pt`` from
-  torchvision or MoCo) or ViT file (timm, DINO, MoCo v3; ``model.trunk="vit_*"``), or a
-  ``.safetensors`` file of either (read without torch; what ``configs/export.py`` writes): the
-  trunk comes from the file, the head stays randomly initialised.
+- a PyTorch ResNet (VISSL ``.torch``, torchvision / MoCo ``.pth``) or ViT file (timm, DINO,
+  MoCo v3, DINOv2), or ``.safetensors`` of either: the trunk only, the head stays random.
 
 Three users:
 
@@ -21,14 +19,11 @@ Three users:
 - ``checkpoints.warm_start.init_train_state(config, state)``: a fresh TrainState started from those
   weights, for the train engine when its workdir has nothing to resume; it reads through
   ``read_newest``, ``saved_shapes``, ``read_arrays`` and ``read_torch`` here.
-- ``read_state_fields(path, target, config)``: the whole trained state but its optimizer (the
-  teacher, the queue, the centre), for the test-loss evaluator (the method's own loss).
+- ``read_state_fields``: the whole state but the optimizer, for the test-loss evaluator.
 
-Given a workdir or checkpoints dir, a checkpoint that is really incomplete or corrupt
-(truncated or missing files; ``checkpoints.manager.is_corrupt``, the classifier the train engine's
-resume uses too) is skipped, loudly, for the next older one; nothing in the source workdir is
-renamed or written. A step dir given explicitly is never replaced by another. Read errors that
-do not show corruption (permissions, I/O errors) propagate.
+From a workdir, a really incomplete or corrupt checkpoint (the train engine's resume's verdict)
+is skipped, loudly, for the next older one, nothing written; an explicit step dir is never
+replaced. Read errors that do not show corruption (permissions, I/O) propagate.
 """
 
 from __future__ import annotations

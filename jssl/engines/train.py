@@ -1,20 +1,12 @@
 """The train engine: VISSL's trainer as one loop over a functional state.
 
-``run`` reads top to bottom. Set-up: the data (every split the run reads is resolved first),
-the method, the optimizer, the state to start from (the workdir's checkpoint, then
-``init.checkpoint``, then scratch), the metric writer, the compiled steps and the kNN
-baseline. Then one loop over the steps; after each, its periodic work through clu periodic
-actions: the progress report (steps/s, ETA) and the window's mean metrics every
-``log_every_steps``, a checkpoint every ``checkpoint.every_steps``, and at the end of each
-epoch a checkpoint and (every ``test_every_epochs``) the test phase with the validation loss
-and the kNN monitor (jssl.evaluation.monitor). Last, the final kNN accuracy and the summary.
-
-A SIGTERM or a first Ctrl-C stops the loop at a step all processes agree on, after saving it
-(jssl.training.preemption); a restart with the same workdir resumes where the last checkpoint
-left off, in the data too. No non-finite state is ever saved: the step checks the loss and
-gradients, and the whole state is checked before every save and at every log step
-(jssl.training.finite). An error in any periodic work lets a save in flight complete first
-(``checkpoint.closing``).
+``run`` reads top to bottom: set-up (splits resolved first, method, optimizer, the state to
+start from: the workdir's checkpoint, then ``init.checkpoint``, then scratch; writer, compiled
+steps, kNN baseline), then one loop over the steps with clu periodic actions (progress and mean
+metrics every ``log_every_steps``, checkpoints, at each epoch's end the test phase and the
+evaluators), then the final kNN and the summary. SIGTERM or a first Ctrl-C saves and stops
+(jssl.training.preemption); no non-finite state is saved (jssl.training.finite); an error in
+periodic work lets a save in flight complete first (``checkpoint.closing``).
 """
 
 from __future__ import annotations
