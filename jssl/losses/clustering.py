@@ -13,7 +13,10 @@ assignments.
 Deliberate differences: the rows are processed in blocks of ``block_size`` (the (rows, K) score
 matrix of a whole ImageNet bank would not fit), and a cluster's sum is a one-hot matrix product
 (deterministic, unlike a scatter-add's float order on GPUs). Rows can be masked out (``valid``):
-they take no part and get the assignment -1, the ``ignore_index`` of the loss.
+they take no part and get the assignment -1, the ``ignore_index`` of the loss. With ``shards``
+the rows are ``shards`` contiguous parts, each summed on its own and the parts' sums added: a
+bank split over the devices that way (DeepCluster v2's) is clustered where it lies, XLA adding
+the parts with one all-reduce per iteration, as VISSL's processes do.
 """
 
 from __future__ import annotations
@@ -63,9 +66,16 @@ def _assign_and_sum(
     valid: jax.Array,
     centroids: jax.Array,
     block_size: int,
+    shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One assignment step: (the assignments (N,), the valid rows' sums per cluster (K, d) and
-    their counts (K,))."""
+    their counts (K,)); ``shards`` contiguous parts of the rows summed apart, then added."""
+    if shards > 1:
+        parts = jax.vmap(lambda x, ok: _assign_and_sum(x, ok, centroids, block_size))(
+            embeddings.reshape(shards, -1, embeddings.shape[-1]), valid.reshape(shards, -1)
+        )
+        assigned, sums, counts = parts
+        return assigned.reshape(-1), jnp.sum(sums, axis=0), jnp.sum(counts, axis=0)
     num_rows, num_clusters = embeddings.shape[0], centroids.shape[0]
     clusters = jnp.arange(num_clusters)
 
@@ -90,6 +100,7 @@ def kmeans(
     num_iters: int,
     valid: jax.Array | None = None,
     block_size: int = BLOCK_SIZE,
+    shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Spherical k-means from ``centroids`` (VISSL ``cluster_memory``; see the module).
 
@@ -99,6 +110,8 @@ def kmeans(
       num_iters: update iterations (VISSL ``kmeans_iters``: 10); 0 keeps the initial ones.
       valid: optional (N,) booleans; rows that are False take no part and get assignment -1.
       block_size: rows per block of the assignment step.
+      shards: the rows as this many contiguous parts (N divisible by it), each summed apart:
+        the parts a bank split over the devices holds, so that XLA clusters it in place.
 
     Returns:
       (centroids (K, d) unit rows; assignments (N,) int32, -1 where not valid; cluster sizes
@@ -108,15 +121,17 @@ def kmeans(
     centroids = jax.lax.stop_gradient(centroids).astype(jnp.float32)
     if valid is None:
         valid = jnp.ones(embeddings.shape[:1], bool)
+    if embeddings.shape[0] % shards:
+        raise ValueError(f"{embeddings.shape[0]} rows do not split into {shards} shards.")
 
     def iteration(_, centroids):
-        _, sums, counts = _assign_and_sum(embeddings, valid, centroids, block_size)
+        _, sums, counts = _assign_and_sum(embeddings, valid, centroids, block_size, shards)
         means = sums / jnp.maximum(counts, 1.0)[:, None]
         # An empty cluster keeps its centroid (VISSL: ``centroids[mask] = ...``).
         return l2_normalize(jnp.where(counts[:, None] > 0, means, centroids))
 
     centroids = jax.lax.fori_loop(0, num_iters, iteration, centroids)
-    assigned, _, counts = _assign_and_sum(embeddings, valid, centroids, block_size)
+    assigned, _, counts = _assign_and_sum(embeddings, valid, centroids, block_size, shards)
     return centroids, jnp.where(valid, assigned, -1), counts.astype(jnp.int32)
 
 

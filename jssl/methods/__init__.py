@@ -163,6 +163,10 @@ class Method(NamedTuple):
     # (parameter path prefix, steps): parameters the optimizer holds fixed for their first
     # steps (VISSL TEMP_FROZEN_PARAMS_ITER_MAP; SwAV's prototypes).
     frozen_params: tuple[tuple[str, int], ...] = ()
+    # (method_state key, axis): leaves split over the data axis along that axis, with or
+    # without parallel.shard_params, where the device count divides it (DeepCluster v2's
+    # memory bank); forward and objective see the device's part, after_update the whole.
+    split_state: tuple[tuple[str, int], ...] = ()
     # Set by :func:`get` from the config, for every method alike: the name, the loss terms
     # (``common.LossTerm``s) and ``step -> {term: weight}`` (``common.loss_weights``).
     name: str = ""

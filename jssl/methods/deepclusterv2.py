@@ -23,10 +23,13 @@ written first), so the epoch's first step finds the centroids (the prototypes,
 ``method_state["centroids"]``) and every example's assignments in the state, as in a
 checkpoint saved between the two; epoch 0's come from ``init``. The prototypes are never
 trained (VISSL keeps them as buffers; the SwAV repository freezes them for 300000 iterations,
-longer than its runs). k-means reads the replicated state with no collectives, so every device
-clusters the whole bank: a conditional holding collectives deadlocked XLA's CPU runtime (its
-collectives were issued in a different order on different devices), and VISSL's split of the
-rows over the devices would need one.
+longer than its runs).
+
+The bank's rows are split over the devices (``Method.split_state``; the rows padded to whole
+batches, which every device count divides) and k-means runs where they lie: each device
+assigns its rows and sums them per cluster, XLA adding the sums over the devices (one
+all-reduce of (K, d) per iteration, as VISSL's processes do). Centroids, assignments and the
+rows' epochs are replicated: every device reads its examples' targets.
 
 The first epoch. VISSL and the SwAV repository fill the bank with a forward pass of the random
 network over the whole train split before epoch 0 (``init_memory``), then cluster it. A method
@@ -44,13 +47,12 @@ Deliberate differences from VISSL:
 - The memory pass is a training epoch with the parameters held fixed (above): a backward pass
   per step that VISSL's forward-only pass does not take, and the epoch counts in
   ``num_epochs`` and the learning-rate schedule (its warmup's first epoch).
-- The bank is one array indexed by dataset index and replicated on every device (VISSL: a
+- The bank is one array indexed by dataset index, its rows split over the devices (VISSL: a
   local bank per process, positional, with the rows' indices). The rows not written last epoch
   (the dropped remainder) are left out of k-means and get no target (assignment -1), as in
   VISSL; their term is 0 and the loss stays the mean over all rows of the batch (VISSL's
   ``ignore_index`` mean is over the rows with a target: 0.25% apart on ImageNet at 4096).
-- Initial centroids come from the whole bank (VISSL: rank 0's local bank), and every device
-  runs the whole k-means (VISSL splits the rows over the processes and sums the centroids).
+- Initial centroids come from the whole bank (VISSL: rank 0's local bank).
 """
 
 from __future__ import annotations
@@ -76,6 +78,14 @@ def bank_size(config: ml_collections.ConfigDict) -> int:
     return given if given > 0 else data.num_examples(config.data, config.data.train_split)
 
 
+def bank_rows(config: ml_collections.ConfigDict) -> int:
+    """The bank array's rows: ``bank_size`` rounded up to whole global batches, which every
+    device count divides (the rows past the dataset are never written nor clustered after
+    epoch 0)."""
+    batch = int(config.data.batch_size)
+    return -(-bank_size(config) // batch) * batch
+
+
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
     model = models.build_model(
@@ -86,7 +96,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     num_banks, num_heads = len(crops_for_mb), len(num_clusters)
     embedding_dim = int(config.model.head_dims[-1])
     # Evaluation engines pass no epoch length and never train: no bank to size.
-    num_rows = bank_size(config) if steps_per_epoch else int(mcfg.num_examples)
+    num_rows = bank_rows(config) if steps_per_epoch else int(mcfg.num_examples)
+    # The bank's rows as the devices hold them (jssl.training.state.partition_specs).
+    shards = jax.device_count() if num_rows % jax.device_count() == 0 else 1
     epoch_steps = int(steps_per_epoch or 1)
     temperature, kmeans_iters = float(mcfg.temperature), int(mcfg.kmeans_iters)
 
@@ -100,7 +112,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             bank = memory["bank"][h % num_banks]
             head_key = jax.random.fold_in(key, h)
             start = losses.initial_centroids(head_key, bank, k, written)
-            new, assigned, sizes = losses.kmeans(bank, start, kmeans_iters, written)
+            new, assigned, sizes = losses.kmeans(bank, start, kmeans_iters, written, shards=shards)
             centroids[f"head{h}"] = new
             assignments.append(assigned)
             nonempty.append(jnp.sum(sizes > 0).astype(jnp.int32))
@@ -209,6 +221,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         after_update=after_update,
         model=model,
         frozen_params=(("trunk", fill_steps), ("head", fill_steps)) if fill_steps else (),
+        split_state=(("bank", 1),),
     )
 
 

@@ -42,5 +42,7 @@ def _state_creator(config: ml_collections.ConfigDict, method: methods.Method, tx
         online_probe = probe.init(config, models.trunk_feature_dim(config.model))
         return train_state.create(**fields, tx=tx, rng=state_rng, probe=online_probe)
 
-    specs = train_state.partition_specs(jax.eval_shape(create), mesh.size, config.parallel)
+    specs = train_state.partition_specs(
+        jax.eval_shape(create), mesh.size, config.parallel, method.split_state
+    )
     return create, parallel.named(mesh, specs)

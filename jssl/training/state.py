@@ -66,12 +66,25 @@ def create(
 SHARDED_FIELDS = ("params", "ema_params", "opt_state")
 
 
-def partition_specs(state: TrainState, devices: int, parallel_config: Any) -> TrainState:
+def partition_specs(
+    state: TrainState,
+    devices: int,
+    parallel_config: Any,
+    split_state: tuple[tuple[str, int], ...] = (),
+) -> TrainState:
     """A PartitionSpec per leaf of ``state`` (arrays or shapes): with
     ``parallel_config.shard_params``, the FSDP rule (``parallel.leaf_spec``) for the
     parameters, the teacher and the optimizer state, whose leaves follow the parameters'
-    shapes; everything else replicated."""
+    shapes; the method's ``split_state`` leaves (``Method.split_state``: key, axis) split along
+    their axis where ``devices`` divides it; everything else replicated."""
     specs = jax.tree.map(lambda _: P(), state)
+    if split_state and devices > 1:
+        method_specs = dict(specs.method_state)
+        for key, axis in split_state:
+            shape = state.method_state[key].shape
+            if shape[axis] % devices == 0:
+                method_specs[key] = P(*([None] * axis), parallel.DATA_AXIS)
+        specs = specs.replace(method_state=method_specs)
     if not parallel_config.shard_params:
         return specs
     min_size = parallel_config.shard_min_size

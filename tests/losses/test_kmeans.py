@@ -79,6 +79,23 @@ def test_kmeans_matches_vissls_loop_on_random_data_in_any_block_size():
         np.testing.assert_array_equal(sizes, np.bincount(want_assigned, minlength=11))
 
 
+def test_kmeans_over_shards_of_the_rows_is_the_same_clustering():
+    # The parts a bank split over 4 or 8 devices holds, each summed apart, then added.
+    rs = np.random.RandomState(1)
+    memory = rs.normal(size=(200, 8))
+    memory /= np.linalg.norm(memory, axis=1, keepdims=True)
+    start = memory[rs.permutation(200)[:11]]
+    want_centroids, want_assigned = _vissl_kmeans(memory, start, 5)
+    x, c = jnp.asarray(memory, jnp.float32), jnp.asarray(start, jnp.float32)
+    for shards, block_size in ((4, 7), (8, 4096)):
+        centroids, assigned, sizes = losses.kmeans(x, c, 5, block_size=block_size, shards=shards)
+        np.testing.assert_array_equal(assigned, want_assigned)
+        np.testing.assert_allclose(centroids, want_centroids, atol=2e-6)
+        np.testing.assert_array_equal(sizes, np.bincount(want_assigned, minlength=11))
+    with pytest.raises(ValueError, match="do not split into 3 shards"):
+        losses.kmeans(x, c, 1, shards=3)
+
+
 def test_initial_centroids_are_distinct_valid_rows_drawn_by_the_key():
     rows = jnp.arange(100 * 2, dtype=jnp.float32).reshape(100, 2)
     valid = jnp.arange(100) % 3 != 0

@@ -66,6 +66,20 @@ def test_bad_settings_name_the_field(field, value, message):
         methods.check_config(config)
 
 
+def test_the_bank_rows_are_whole_batches_split_over_the_devices():
+    config = configs.get_config("test")
+    config.method.num_examples = 60  # padded to 64: four batches of 16
+    assert deepclusterv2.bank_rows(config) == 64
+    method = methods.get(config, STEPS_PER_EPOCH)
+    shapes = jax.eval_shape(lambda: method.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3))))
+    state = train_state.create(**shapes, tx=optax.sgd(0.1), rng=jax.random.key(0), probe={})
+    assert state.method_state["bank"].shape[1] == 64
+    for devices, bank in ((4, P(None, DATA_AXIS)), (8, P(None, DATA_AXIS)), (3, P())):
+        specs = train_state.partition_specs(state, devices, config.parallel, method.split_state)
+        assert specs.method_state["bank"] == bank, devices
+        assert specs.method_state["assignments"] == P()  # every device reads its targets
+
+
 def test_the_memory_pass_holds_every_parameter_for_its_epochs():
     config = configs.get_config("demo")
     config.method.num_examples = 2048  # the demo's train subset, without reading it
@@ -227,6 +241,7 @@ def _train(workdir=None, resume_at: int = -1) -> dict:
     from jssl.checkpoints import manager as checkpoint
     from jssl.data import device_augment
     from jssl.engines import train
+    from jssl.training.state import specs_of
     from jssl.training.step import make_train_step
 
     config = configs.get_config("test")
@@ -241,7 +256,15 @@ def _train(workdir=None, resume_at: int = -1) -> dict:
     tx, schedule = train.make_optimizer(config, method, STEPS_PER_EPOCH)
     state = train.init_state(config, method, tx, mesh)
     augment = device_augment.make_batch_augment(config.data)
-    step = make_train_step(method, tx, schedule, mesh, probe_config=config, augment=augment)
+    step = make_train_step(
+        method,
+        tx,
+        schedule,
+        mesh,
+        probe_config=config,
+        augment=augment,
+        state_specs=specs_of(state),
+    )
     out = {"loss": [], "assignments": []}
     for i, batch in enumerate(_batches(config)):
         state, metrics = step(state, parallel.host_batch_to_global(batch, mesh))
@@ -259,6 +282,9 @@ def _train(workdir=None, resume_at: int = -1) -> dict:
     out.update({k: memory[k] for k in ("bank", "bank_epoch")})
     out["centroids"] = memory["centroids"]["head0"]
     out["devices"] = jax.device_count()
+    # The bank's rows as one device holds them (split over the devices, as the engine lays
+    # out the state).
+    out["bank_device_rows"] = state.method_state["bank"].addressable_shards[0].data.shape[1]
     return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -285,6 +311,7 @@ def test_the_step_across_an_epoch_boundary_resumed_and_on_four_devices(tmp_path)
 
     four = run_on_devices(__file__, tmp_path / "four.npz", timeout=300)
     assert int(four["devices"]) == 4
+    assert int(one["bank_device_rows"]) == 64 and int(four["bank_device_rows"]) == 16
     np.testing.assert_allclose(four["loss"], one["loss"], rtol=2e-5)
     np.testing.assert_array_equal(four["assignments"], one["assignments"])
     np.testing.assert_array_equal(four["bank_epoch"], one["bank_epoch"])
