@@ -11,20 +11,26 @@ temporaries (activations, gradients, collectives' buffers), and the ratios the i
 name: the split state against a replicated state / N plus the leaves left replicated, remat's
 and accumulation's temporaries against the row before.
 
-  python benchmarks/memory.py [--devices 8] [--method dino] [--preset vit_large]
-      [--trunk vit_tiny] [--batch 64] [--no_results]
+  python benchmarks/memory.py [--compiler cpu|h100] [--devices 8] [--method dino]
+      [--preset vit_large] [--trunk vit_tiny] [--batch 64] [--no_results]
 
-The devices are the host CPU's, N of them made by XLA_FLAGS before JAX starts, so the analysis
-is XLA's CPU compiler's. On that backend remat does not lower the temporaries (a ViT-S/16
-gradient at batch 64: 8.7 GiB without remat, 9.6 GiB with it), so the remat row shows what the
-CPU compiler makes of it, not what a GPU's compiler does; the GPU figure needs a GPU. Nothing
-is allocated: the state is abstract (``jssl.training.fresh.abstract_state``).
+``--compiler cpu`` (the default) compiles for N host CPU devices (made by XLA_FLAGS before JAX
+starts). XLA's CPU pipeline drops the optimisation barriers that keep a recomputed block from
+being merged back into the forward pass, so remat changes nothing there. ``--compiler h100``
+compiles for N H100 GPUs without one: XLA's GPU compiler, ahead of time, for a described
+device (``gpu_specs/h100_sxm.txtpb``; JAX's CUDA plugin must be installed:
+``pip install "jax[cuda12]"``, several GB); autotuning is off (it runs kernels), which may
+choose other kernels than a real GPU but not a different buffer plan; the device is described
+with 1 TiB of memory, so that XLA's own rematerialisation (at the device's size) stays out of
+the rows. Nothing is allocated:
+the state is abstract (``jssl.training.fresh.abstract_state``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +57,38 @@ ROWS = (
 )
 
 
+SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
+
+
+def _compile_only_devices(compiler: str, count: int) -> list:
+    """``count`` devices of a compile-only GPU topology (no GPU needed), or the host's CPUs."""
+    import jax
+
+    if compiler == "cpu":
+        return jax.devices()
+    from jax.experimental import topologies
+
+    with open(os.path.join(SPECS, f"{compiler}_sxm.txtpb")) as f:
+        spec = f.read()
+    # XLA rematerialises on its own when a program exceeds the device's memory: describe a
+    # device large enough that the figures are what the step needs, not what XLA cut it to.
+    spec = re.sub(r"device_memory_size: \d+", f"device_memory_size: {2**40}", spec)
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=spec, topology=f"1x1x{count}"
+        )
+    except (NotImplementedError, RuntimeError) as e:
+        raise SystemExit(
+            f'--compiler {compiler} needs JAX\'s CUDA plugin (pip install "jax[cuda12]"): {e}'
+        ) from e
+    return list(topology.devices)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--compiler", default="cpu", choices=("cpu", "h100"), help="XLA backend to compile for"
+    )
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--method", default="dino", help="configs/<method>.py")
     p.add_argument("--preset", default="vit_large", help="configs/<method>.py's preset")
@@ -67,8 +103,11 @@ def main() -> None:
         os.environ.get("XLA_FLAGS", "")
         + f" --xla_force_host_platform_device_count={args.devices}"
         + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+        # Compile-only GPU: no kernel can run, so no autotuning (cuBLAS' default algorithms).
+        + " --xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false"
     )
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the GPU target needs no GPU backend
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
 
     import importlib
 
@@ -79,9 +118,9 @@ def main() -> None:
 
     from jssl import data, parallel
     from jssl.engines import train
-    from jssl.training.step import stop_flags
 
-    mesh = parallel.make_mesh()
+    mesh = parallel.make_mesh(_compile_only_devices(args.compiler, args.devices))
+    platforms = ("cuda",) if args.compiler != "cpu" else ("cpu",)
     rows, state_bytes = [], {}
     for name, overrides in ROWS:
         config = importlib.import_module(f"configs.{args.method}").get_config(args.preset)
@@ -99,7 +138,9 @@ def main() -> None:
             ),
             host,
         )
-        compiled = step.lower(state, batch, stop_flags(mesh, False)).compile()
+        stop = jax.ShapeDtypeStruct((args.devices,), np.int32, sharding=sharding)
+        traced = step.trace(state, batch, stop)
+        compiled = traced.lower(lowering_platforms=platforms).compile()
         analysis = compiled.memory_analysis()
 
         def per_device(x) -> int:
@@ -138,22 +179,31 @@ def main() -> None:
     ]
     for line in headline:
         print(line)
+    on_gpu = args.compiler != "cpu"
+    target = (
+        f"{args.devices} H100 GPUs (compiled ahead of time for gpu_specs/h100_sxm.txtpb, no GPU "
+        "used; autotuning off)"
+        if on_gpu
+        else f"{args.devices} CPU devices"
+    )
     results.record(
-        "memory",
+        "memory" + (f"-{args.compiler}" if on_gpu else ""),
         rows,
         args=args,
         measures=(
             f"Bytes per device of the {args.method} train step ({config.model.trunk}/"
             f"{config.model.patch_size}, {args.preset} preset, global batch "
-            f"{config.data.batch_size}) on {args.devices} CPU devices, "
-            "from XLA's compiled memory analysis: the train state's part on each device, the "
-            "step's arguments (state and batch) and its temporaries."
+            f"{config.data.batch_size}) on {target}, from XLA's compiled memory analysis: the "
+            "train state's part on each device, the step's arguments (state and batch) and its "
+            "temporaries."
         ),
         headline=headline,
         notes=(
-            "On XLA's CPU backend remat does not lower the temporaries (a ViT-S/16 gradient at "
-            "batch 64: 8.7 GiB without, 9.6 GiB with remat), so the remat row is the CPU "
-            "compiler's figure; a GPU's needs a GPU."
+            None
+            if on_gpu
+            else "XLA's CPU pipeline drops the optimisation barriers that keep a recomputed "
+            "block apart from the forward pass, so remat lowers nothing there (the remat row is "
+            "the CPU compiler's figure); `--compiler h100` gives a GPU compiler's."
         ),
     )
 

@@ -26,7 +26,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 # Environment variables that change what a benchmark measures, recorded with the command.
 ENV_PREFIXES = ("XLA_", "JAX_", "JSSL_", "CUDA_VISIBLE_DEVICES", "OMP_")
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "tensorflow-cpu", "torch")
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "jax-cuda12-plugin",
+    "flax",
+    "optax",
+    "numpy",
+    "tensorflow-cpu",
+    "torch",
+)
 
 _START_TIME = time.time()
 _START_LOAD = os.getloadavg()[0]

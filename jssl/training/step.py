@@ -178,16 +178,24 @@ def make_train_step(
         jitted = jax.jit(step, donate_argnums=0, out_shardings=shardings)
         return jitted
 
-    no_stop = stop_flags(mesh, False)
+    no_stop = None  # made at the first call: a compile-only mesh (no arrays) never calls
 
     def train_step(state: TrainState, batch: Any, stop: jax.Array | None = None):
-        return (jitted or build(state))(state, batch, no_stop if stop is None else stop)
+        nonlocal no_stop
+        if stop is None:
+            no_stop = stop = stop_flags(mesh, False) if no_stop is None else no_stop
+        return (jitted or build(state))(state, batch, stop)
 
     def lower(state: TrainState, batch: Any, stop: jax.Array):
         """Ahead-of-time lowering of ``step(state, batch, stop)`` (shapes or arrays)."""
         return (jitted or build(state)).lower(state, batch, stop)
 
+    def trace(state: TrainState, batch: Any, stop: jax.Array):
+        """``jax.jit``'s trace of the step, to lower for another platform than the host's."""
+        return (jitted or build(state)).trace(state, batch, stop)
+
     train_step.lower = lower
+    train_step.trace = trace
     return train_step
 
 
