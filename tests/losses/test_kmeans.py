@@ -64,14 +64,20 @@ def _vissl_kmeans(memory: np.ndarray, start: np.ndarray, num_iters: int):
     return centroids, assignments
 
 
-def test_kmeans_matches_vissls_loop_on_random_data_in_any_block_size():
-    rs = np.random.RandomState(0)
-    memory = rs.normal(size=(203, 8))
+def _random_bank(seed: int, rows: int):
+    """Unit rows, 11 of them as initial centroids, and VISSL's 5-iteration clustering."""
+    rs = np.random.RandomState(seed)
+    memory = rs.normal(size=(rows, 8))
     memory /= np.linalg.norm(memory, axis=1, keepdims=True)
-    start = memory[rs.permutation(203)[:11]]
+    start = memory[rs.permutation(rows)[:11]]
     want_centroids, want_assigned = _vissl_kmeans(memory, start, 5)
     assert len(np.unique(want_assigned)) > 5  # a real clustering, not one cluster
     x, c = jnp.asarray(memory, jnp.float32), jnp.asarray(start, jnp.float32)
+    return x, c, want_centroids, want_assigned
+
+
+def test_kmeans_matches_vissls_loop_on_random_data_in_any_block_size():
+    x, c, want_centroids, want_assigned = _random_bank(0, 203)
     for block_size in (7, 64, 4096):  # padded last block, several blocks, one block
         centroids, assigned, sizes = losses.kmeans(x, c, 5, block_size=block_size)
         np.testing.assert_array_equal(assigned, want_assigned)
@@ -81,12 +87,7 @@ def test_kmeans_matches_vissls_loop_on_random_data_in_any_block_size():
 
 def test_kmeans_over_shards_of_the_rows_is_the_same_clustering():
     # The parts a bank split over 4 or 8 devices holds, each summed apart, then added.
-    rs = np.random.RandomState(1)
-    memory = rs.normal(size=(200, 8))
-    memory /= np.linalg.norm(memory, axis=1, keepdims=True)
-    start = memory[rs.permutation(200)[:11]]
-    want_centroids, want_assigned = _vissl_kmeans(memory, start, 5)
-    x, c = jnp.asarray(memory, jnp.float32), jnp.asarray(start, jnp.float32)
+    x, c, want_centroids, want_assigned = _random_bank(1, 200)
     for shards, block_size in ((4, 7), (8, 4096)):
         centroids, assigned, sizes = losses.kmeans(x, c, 5, block_size=block_size, shards=shards)
         np.testing.assert_array_equal(assigned, want_assigned)
