@@ -122,6 +122,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         _demo_vit(c)
     elif preset in ("demo", "test"):
         _demo(c)
+        if preset == "demo":
+            _demo_local_crops(c)
         if preset == "test":
             recipes.tiny(c)
             recipes.tiny_multicrop(c)
@@ -259,10 +261,10 @@ def _vissl_resnet(c: ml_collections.ConfigDict) -> None:
 
 def _demo(c: ml_collections.ConfigDict) -> None:
     """The demo data and network every method's demo uses, with DINO's two global crops at
-    32 px only (under 5 minutes), a small head with BN, a sharp teacher (temperature 0.02) that
-    follows the student within a few hundred steps (momentum 0.99 -> 1), and LARS as the other
-    non-contrastive demos (``recipes.demo_lars``, solo-learn's CIFAR DINO at twice its rate). Why
-    each choice, and the local-crop variant: docs/methods.md.
+    32 px (the ResNet demo adds two local crops: ``_demo_local_crops``), a small head with BN,
+    a sharp teacher (temperature 0.02) that follows the student within a few hundred steps
+    (momentum 0.99 -> 1), and LARS as the other non-contrastive demos (``recipes.demo_lars``,
+    solo-learn's CIFAR DINO at twice its rate). Why each choice: docs/methods.md.
     """
     recipes.demo_data_and_model(c)
     c.model.dtype = "float32"
@@ -270,7 +272,7 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.sync_bn = True
     c.num_epochs = 4  # 3 drift back to a uniform teacher
     a = c.data.augment
-    # The two global crops only: with two 16 px local crops as well, 4 epochs took 8.4 min.
+    # The two global crops; ``_demo_local_crops`` adds two 16 px ones to the ResNet demo.
     a.num_crops = (1, 1)
     a.crop_sizes = (32, 32)
     # The demo's classes are shapes: a small crop must still hold part of the shape.
@@ -295,6 +297,23 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     o.weight_decay_end = 1e-6
     o.grad_clip_per_parameter = 3.0  # DINO's clip_grad 3.0, as the recipes
     c.checkpoint.every_steps = 0
+
+
+def _demo_local_crops(c: ml_collections.ConfigDict) -> None:
+    """The ResNet demo's multi-crop, on top of ``_demo``: two 16 px local crops at scale 0.2-0.5,
+    seen by the student only (DINO's 8 local crops of 96 px at 0.05-0.14, at a demo's size).
+    With the global crops alone the teacher drifted to near-uniform targets after some 80 steps
+    (per-image entropy 4.4 of ln 256 = 5.5), the features' RankMe fell to 8-12 and the demo
+    learned 65.1% against 62.9% at random init (seed 0). With the local crops the teacher stays
+    sharper (entropy 3.1-4.2 at the end) and the demo learned 12-21 points over random init on
+    seeds 0-2 and on 2 devices, in 4 min 46 s on 2 nearly idle cores (a step costs 25% more).
+    Figures: docs/methods.md.
+    """
+    a = c.data.augment
+    a.num_crops = (1, 1, 2)
+    a.crop_sizes = (32, 32, 16)
+    a.crop_scale = ((0.3, 1.0), (0.3, 1.0), (0.2, 0.5))
+    a.solarize_prob = (0.0, 0.2, 0.0)
 
 
 def _demo_vit(c: ml_collections.ConfigDict) -> None:
