@@ -11,8 +11,8 @@ temporaries (activations, gradients, collectives' buffers), and the ratios the i
 name: the split state against a replicated state / N plus the leaves left replicated, remat's
 and accumulation's temporaries against the row before.
 
-  python benchmarks/memory.py [--compiler cpu|h100] [--devices 8] [--method dino]
-      [--preset vit_large] [--trunk vit_tiny] [--batch 64] [--no_results]
+  python benchmarks/memory.py [--compiler cpu|h100] [--sync_collectives] [--devices 8]
+      [--method dino] [--preset vit_large] [--trunk vit_tiny] [--batch 64] [--no_results]
 
 ``--compiler cpu`` (the default) compiles for N host CPU devices (made by XLA_FLAGS before JAX
 starts). XLA's CPU pipeline drops the optimisation barriers that keep a recomputed block from
@@ -22,7 +22,10 @@ device (``gpu_specs/h100_sxm.txtpb``; JAX's CUDA plugin must be installed:
 ``pip install "jax[cuda12]"``, several GB); autotuning is off (it runs kernels), which may
 choose other kernels than a real GPU but not a different buffer plan; the device is described
 with 1 TiB of memory, so that XLA's own rematerialisation (at the device's size) stays out of
-the rows. Nothing is allocated:
+the rows. On more than one GPU, XLA's asynchronous all-reduce of the gradients keeps the
+backward pass's activation gradients alive until it runs, which undoes most of remat's saving;
+``--sync_collectives`` compiles the collectives synchronous
+(``--xla_gpu_disable_async_collectives``) to show the difference. Nothing is allocated:
 the state is abstract (``jssl.training.fresh.abstract_state``).
 """
 
@@ -89,6 +92,12 @@ def main() -> None:
     p.add_argument(
         "--compiler", default="cpu", choices=("cpu", "h100"), help="XLA backend to compile for"
     )
+    p.add_argument(
+        "--sync_collectives",
+        action="store_true",
+        help="GPU: collectives run synchronously (XLA's async all-reduce keeps the backward "
+        "pass's activation gradients alive until it, which undoes most of remat's saving)",
+    )
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--method", default="dino", help="configs/<method>.py")
     p.add_argument("--preset", default="vit_large", help="configs/<method>.py's preset")
@@ -105,6 +114,11 @@ def main() -> None:
         + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
         # Compile-only GPU: no kernel can run, so no autotuning (cuBLAS' default algorithms).
         + " --xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false"
+        + (
+            " --xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER"
+            if args.sync_collectives
+            else ""
+        )
     )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the GPU target needs no GPU backend
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
@@ -182,12 +196,20 @@ def main() -> None:
     on_gpu = args.compiler != "cpu"
     target = (
         f"{args.devices} H100 GPUs (compiled ahead of time for gpu_specs/h100_sxm.txtpb, no GPU "
-        "used; autotuning off)"
+        "used; autotuning off"
+        + (
+            "; all-reduce, all-gather and reduce-scatter synchronous"
+            if args.sync_collectives
+            else ""
+        )
+        + ")"
         if on_gpu
         else f"{args.devices} CPU devices"
     )
     results.record(
-        "memory" + (f"-{args.compiler}" if on_gpu else ""),
+        "memory"
+        + (f"-{args.compiler}" if on_gpu else "")
+        + ("-sync_collectives" if on_gpu and args.sync_collectives else ""),
         rows,
         args=args,
         measures=(
