@@ -13,17 +13,15 @@ Three users:
 
 - ``load_variables(path, config)``: ``{"params", "batch_stats"}`` of the online model for the
   evaluation engines; every array must fit the configured model. With ``trunk_only=True``
-  (what the engines use unless a ``head`` layer is asked for) only the trunk is read and must
-  fit, so any method's workdir (a DINO or SwAV head, a BYOL predictor) can be evaluated with
-  the MoCo-based evaluation presets and the trunk's ``--config.model.*`` fields.
-- ``checkpoints.warm_start.init_train_state(config, state)``: a fresh TrainState started from those
-  weights, for the train engine when its workdir has nothing to resume; it reads through
-  ``read_newest``, ``saved_shapes``, ``read_arrays`` and ``read_torch`` here.
+  (unless a ``head`` layer is asked for) only the trunk is read, so any method's workdir can
+  be evaluated with the MoCo-based evaluation presets and the trunk's model fields.
+- ``checkpoints.warm_start.init_train_state(config, state)``: a fresh TrainState started from
+  those weights when the train engine's workdir has nothing to resume (through ``read_newest``,
+  ``saved_shapes``, ``read_arrays`` and ``read_torch``).
 - ``read_state_fields``: the whole state but the optimizer, for the test-loss evaluator.
 
-From a workdir, a really incomplete or corrupt checkpoint (the train engine's resume's verdict)
-is skipped, loudly, for the next older one, nothing written; an explicit step dir is never
-replaced. Read errors that do not show corruption (permissions, I/O) propagate.
+From a workdir, an incomplete or corrupt checkpoint (the resume's verdict) is skipped, loudly,
+for the next older one; an explicit step dir is never replaced. Other read errors propagate.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The train engine: VISSL's trainer as one loop over a functional state.
 
-``run`` reads top to bottom: set-up (splits resolved first, method, optimizer, the state to
-start from: the workdir's checkpoint, then ``init.checkpoint``, then scratch; writer, compiled
-steps, kNN baseline), then one loop over the steps with clu periodic actions (progress and mean
-metrics every ``log_every_steps``, checkpoints, at each epoch's end the test phase and the
+``run`` reads top to bottom: set-up (splits, method, optimizer, the state to start from: the
+workdir's checkpoint, then ``init.checkpoint``, then scratch; writer, steps, kNN baseline), one
+loop over the steps with clu periodic actions (logs, checkpoints, each epoch's test phase and
 evaluators), then the final kNN and the summary. SIGTERM or a first Ctrl-C saves and stops
 (jssl.training.preemption); no non-finite state is saved (jssl.training.finite); an error in
 periodic work lets a save in flight complete first (``checkpoint.closing``).
@@ -119,12 +118,11 @@ def run(
     """Trains ``config.method`` and returns the final summary: ``step``, ``state`` and, with
     the kNN monitor on, the kNN accuracies (``knn``, ``knn_random_init``, ``knn_comparison``).
 
-    ``summary["preempted"]`` is True when the run stopped on SIGTERM or a first Ctrl-C after
-    saving (launch.py then exits with ``preemption.PREEMPTED_EXIT_CODE``).
+    ``summary["preempted"]``: stopped on SIGTERM or a first Ctrl-C after saving (launch.py
+    exits with ``preemption.PREEMPTED_EXIT_CODE``).
 
-    ``batches`` replaces jssl's pipeline by the caller's host batches (see ``jssl.train``):
-    an iterable read once per epoch, or ``epoch -> iterable``; ``steps_per_epoch`` batches of
-    it make an epoch (default ``len(batches)``).
+    ``batches``: the caller's host batches in place of jssl's pipeline (``jssl.train``), an
+    iterable or ``epoch -> iterable``; ``steps_per_epoch`` (default ``len(batches)``) an epoch.
     """
     if batches is not None:
         steps_per_epoch = batches_lib.user_steps_per_epoch(batches, steps_per_epoch)
@@ -133,9 +131,8 @@ def run(
     check_splits(config)
     if config.debug.nans:
         jax.config.update("jax_debug_nans", True)
-    # From here on a stop request is acted on at the first step, even one that comes while
-    # restoring, compiling or measuring the kNN baseline, instead of killing the process
-    # before anything is saved.
+    # A stop request from here on (while restoring, compiling, measuring the kNN baseline) is
+    # acted on at the first step instead of killing the process before anything is saved.
     with preemption.Preemption() as stop_request, contextlib.ExitStack() as cleanup:
         mesh = parallel.make_mesh()
         plan = Plan.from_config(config, steps_per_epoch or split_steps_per_epoch(config))

@@ -186,13 +186,13 @@ def make_train_step(
             no_stop = stop = stop_flags(mesh, False) if no_stop is None else no_stop
         return (jitted or build(state))(state, batch, stop)
 
-    def lower(state: TrainState, batch: Any, stop: jax.Array):
-        """Ahead-of-time lowering of ``step(state, batch, stop)`` (shapes or arrays)."""
-        return (jitted or build(state)).lower(state, batch, stop)
-
     def trace(state: TrainState, batch: Any, stop: jax.Array):
-        """``jax.jit``'s trace of the step, to lower for another platform than the host's."""
+        """``jax.jit``'s trace of ``step(state, batch, stop)`` (shapes or arrays), to lower
+        ahead of time, for the host's platform or another."""
         return (jitted or build(state)).trace(state, batch, stop)
+
+    def lower(state: TrainState, batch: Any, stop: jax.Array):
+        return trace(state, batch, stop).lower()
 
     train_step.lower = lower
     train_step.trace = trace
