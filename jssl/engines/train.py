@@ -115,7 +115,8 @@ def run(
     batches: Iterable[dict] | Callable[[int], Iterable[dict]] | None = None,
     steps_per_epoch: int | None = None,
 ) -> dict[str, Any]:
-    """Trains ``config.method`` and returns the final summary: ``step``, ``state`` and, with
+    """Trains ``config.method`` and returns the final summary: ``step``, ``loss`` (the last
+    step's; None when no step ran), ``state`` and, with
     the kNN monitor on, the kNN accuracies (``knn``, ``knn_random_init``, ``knn_comparison``).
 
     ``summary["preempted"]``: stopped on SIGTERM or a first Ctrl-C after saving (launch.py
@@ -257,6 +258,7 @@ def run(
         checkpoint.finish(manager)
         checks(state, step)
         summary["step"] = step
+        summary["loss"] = None if metrics is None else float(metrics["loss"])  # the last step's
         if not stopped and step >= plan.max_steps:
             evaluate.mark_finished(workdir, step)
         if stopped:

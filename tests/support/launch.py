@@ -7,10 +7,16 @@ import os
 import subprocess
 import sys
 
-import tensorflow as tf
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 240
+
+
+def _tf():
+    """TensorFlow, imported by the event-file readers alone: the rest of this module (and the
+    conftest that imports it) serves test runs on hosts without TensorFlow, e.g. a GPU host."""
+    import tensorflow as tf
+
+    return tf
 
 
 def shared_cache_dir(tmp_path_factory):
@@ -88,7 +94,7 @@ def read_events(logdir) -> dict[str, dict[int, str]]:
     files = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
     assert files, f"no event files in {logdir}"
     for path in files:
-        for event in tf.compat.v1.train.summary_iterator(path):
+        for event in _tf().compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 plugin = value.metadata.plugin_data.plugin_name
                 found.setdefault(value.tag, {})[event.step] = plugin
@@ -98,8 +104,8 @@ def read_events(logdir) -> dict[str, dict[int, str]]:
 def scalar_values(logdir, tag: str) -> dict[int, float]:
     values = {}
     for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-        for event in tf.compat.v1.train.summary_iterator(path):
+        for event in _tf().compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 if value.tag == tag:
-                    values[event.step] = float(tf.make_ndarray(value.tensor))
+                    values[event.step] = float(_tf().make_ndarray(value.tensor))
     return values
