@@ -1,7 +1,11 @@
-"""Arithmetic rate and model FLOPs utilisation (MFU) of a step, for train_step.py.
+r"""Arithmetic rate and model FLOPs utilisation (MFU) of a step, for train_step.py.
 
 One device's floating-point operations in a step as XLA counts them, and one chip's peak, so
-that ``TFLOP/s / peak`` is the step's MFU (e.g. MoCo R50@224 bf16 per GPU).
+that ``TFLOP/s / peak`` is the step's MFU (e.g. MoCo R50@224 bf16 per GPU). Run as a script,
+it counts the operations of train_step.py's cases without running them (the step is lowered
+on abstract shapes, on any backend: a CPU gives the count of a GPU step):
+
+  python benchmarks/mfu.py --methods=moco --cases=r50_224_b256 --dtypes=bfloat16
 """
 
 from __future__ import annotations
@@ -30,17 +34,58 @@ def peak_tflops(device_kind: str, dtype: str, override: float | None = None) -> 
     return next((v for k, v in PEAK_BF16_TFLOPS if k in device_kind), None)
 
 
-def step_flops(lowered) -> float | None:
+def step_flops(lowered, compiled=None) -> float | None:
     """XLA's count of one step's floating-point operations on one device.
 
     Counted on the lowered program, before any backend rewrites it (the same count on CPU, GPU
-    and TPU). jssl's step body runs under ``shard_map`` on per-device shapes, so the count is
-    per device.
+    and TPU); where the lowered program gives none (seen with jax 0.11.2's CUDA backend), on
+    ``compiled``. jssl's step body runs under ``shard_map`` on per-device shapes, so the count
+    is per device.
     """
-    try:
-        cost = lowered.cost_analysis()
-    except Exception:  # noqa: BLE001 - an estimate that a backend may not give
-        return None
-    cost = cost[0] if isinstance(cost, list) else cost
-    value = (cost or {}).get("flops")
-    return float(value) if value and value > 0 else None
+    for stage in (lowered, compiled):
+        try:
+            cost = stage.cost_analysis() if stage is not None else None
+        except Exception:  # noqa: BLE001 - an estimate that a backend may not give
+            continue
+        cost = cost[0] if isinstance(cost, list) else cost
+        value = (cost or {}).get("flops")
+        if value and value > 0:
+            return float(value)
+    return None
+
+
+def main() -> None:
+    """Prints XLA's count of each case's step operations (one device, one step)."""
+    import argparse
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax
+    from step_cases import CASES, case_config, engine_step
+
+    from jssl import data, parallel
+    from jssl.engines import train
+    from jssl.training.step import stop_flags
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default="moco")
+    p.add_argument("--cases", default="r50_224_b256")
+    p.add_argument("--dtypes", default="bfloat16")
+    p.add_argument("--queue_size", type=int, default=4096, help="MoCo's queue")
+    args = p.parse_args()
+    mesh = parallel.make_mesh()
+    for method in args.methods.split(","):
+        for case in args.cases.split(","):
+            for dtype in args.dtypes.split(","):
+                config = case_config(method, CASES[case], dtype, args.queue_size)
+                state, step = engine_step(config, train.abstract_state, mesh)
+                host = data.synthetic_batch(config.data, CASES[case]["batch"])
+                batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
+                flops = step_flops(step.lower(state, batch, stop_flags(mesh, False)))
+                count = f"{flops / 1e12:.3f} TFLOP" if flops else "no count"
+                print(f"{method} {case} {dtype}: {count} per device and step", flush=True)
+
+
+if __name__ == "__main__":
+    main()

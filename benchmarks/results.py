@@ -30,6 +30,8 @@ PACKAGES = (
     "jax",
     "jaxlib",
     "jax-cuda12-plugin",
+    "jax-cuda13-plugin",
+    "orbax-checkpoint",
     "flax",
     "optax",
     "numpy",
@@ -131,6 +133,18 @@ def machine() -> dict[str, Any]:
     }
 
 
+def accelerator_suffix() -> str:
+    """``-<chip>`` for a run on GPUs or TPUs (``-h100``, ``-tpu-v5-lite``), '' on CPUs: a run on
+    an accelerator writes its own results file beside the CPU one instead of replacing it."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return ""
+    words = jax.devices()[0].device_kind.lower().replace("-", " ").split()
+    kept = [w for w in words if w != "nvidia" and "gb" not in w and not w.startswith("hbm")]
+    return "-" + "-".join(kept)
+
+
 def record(
     name: str,
     rows: list[dict[str, Any]],
@@ -142,7 +156,8 @@ def record(
 ) -> str | None:
     """Writes the run's results file and returns its path (None under ``--no_results``).
 
-    ``name`` names the file (``benchmarks/results/<name>.json`` unless ``--results`` is given);
+    ``name`` names the file (``benchmarks/results/<name>.json`` unless ``--results`` is given;
+    on an accelerator ``<name>-<chip>``, ``accelerator_suffix``);
     ``rows`` are the figures, one dict per table row, the keys its column headers;
     ``measures`` says in a sentence or two what the figures are; ``headline`` lists the ratios
     a comparing run measured (e.g. jssl / bare step), each one line; ``notes`` adds anything a
@@ -150,6 +165,7 @@ def record(
     """
     if args is not None and args.no_results:
         return None
+    name += accelerator_suffix()
     path = getattr(args, "results", None) or os.path.join(RESULTS_DIR, f"{name}.json")
     result = {
         "name": name,

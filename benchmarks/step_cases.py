@@ -32,6 +32,7 @@ import importlib
 
 _R18 = dict(trunk="resnet18", cifar_stem=True, image_size=32, small=16, head=512)
 _R50 = dict(trunk="resnet50", cifar_stem=False, head=2048)
+_VIT_S16 = dict(trunk="vit_small", patch=16, image_size=224, small=96, head=384)
 CASES = {
     "r18_32": dict(_R18, batch=256),
     "r18_32_b64": dict(_R18, batch=64),
@@ -39,6 +40,10 @@ CASES = {
     "r50_224": dict(_R50, image_size=224, small=96, batch=32),
     "vit_t_32": dict(trunk="vit_tiny", patch=4, image_size=32, small=16, batch=64, head=192),
     "vit_s16_224": dict(trunk="vit_small", patch=16, image_size=224, small=96, batch=32, head=384),
+    # GPU-sized cases: the per-device batch of a GPU run, DINO's 2 + 10 crops on the ViTs.
+    "r50_224_b256": dict(_R50, image_size=224, small=96, batch=256),
+    "vit_s16_224_b128": dict(_VIT_S16, batch=128, local_crops=10),
+    "vit_b16_224_b64": dict(_VIT_S16, trunk="vit_base", head=768, batch=64, local_crops=10),
 }
 # --compare_torch's default cases, (case, dtype), and MoCo's queue on both sides.
 TORCH_CASES = (
@@ -92,7 +97,7 @@ def case_config(method_name: str, spec: dict, dtype: str, queue_size: int, on_de
         config.model.head_dims = (spec["head"], 4096, 4096, 256)
         config.method.predictor_dims = (256, 4096, 256)
     if method_name in ("dino", "ibot", "dinov2"):  # 2 global + 6 local crops, as SwAV's
-        config.data.augment.num_crops = (1, 1, 6)
+        config.data.augment.num_crops = (1, 1, spec.get("local_crops", 6))
         config.data.augment.crop_sizes = (spec["image_size"], spec["image_size"], spec["small"])
     _adapt_newer(method_name, config, spec)
     return config

@@ -66,7 +66,7 @@ def run_case(
     lowered = step.lower(state, batch_arrays, stop)
     compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    flops = mfu.step_flops(lowered)
+    flops = mfu.step_flops(lowered, compiled)
     state, metrics = compiled(state, batch_arrays, stop)  # warm-up
     jax.block_until_ready((state, metrics))
     times, cpu_times = [], []
@@ -101,13 +101,19 @@ def run_case(
 
 
 def run_torch_case(
-    case: str, dtype: str, steps: int, queue_size: int, channels_last: bool = True
+    case: str,
+    dtype: str,
+    steps: int,
+    queue_size: int,
+    channels_last: bool = True,
+    compile: bool = False,
 ) -> dict:
     """Runs in a child process: the PyTorch reference step of the same shapes."""
     import torch_reference  # imports torch, a development dependency
 
-    result = torch_reference.run_case(CASES[case], dtype, steps, queue_size, channels_last)
-    return dict(result, peak_gib=_peak_bytes() / 2**30)
+    result = torch_reference.run_case(CASES[case], dtype, steps, queue_size, channels_last, compile)
+    peak = result.pop("device_peak_gib")
+    return dict(result, peak_gib=_peak_bytes() / 2**30 if peak is None else peak)
 
 
 def main(job: dict) -> None:
@@ -115,7 +121,12 @@ def main(job: dict) -> None:
     if job["impl"] == "torch":
         channels_last = job.get("layout", "channels_last") == "channels_last"
         result = run_torch_case(
-            job["case"], job["dtype"], job["steps"], job["queue"], channels_last
+            job["case"],
+            job["dtype"],
+            job["steps"],
+            job["queue"],
+            channels_last,
+            job.get("compile", False),
         )
         print(json.dumps(result))
         return

@@ -11,10 +11,12 @@ the key encoder runs on a shuffled batch (shuffle-BN on one device is a permutat
 follows the query encoder by EMA, and the optimizer is SGD with Nesterov momentum 0.9 and
 weight decay 1e-4 on every parameter (VISSL's MoCo recipe, regularize_bn True), as jssl's
 configs/moco.py. bfloat16 runs the forward passes under ``torch.autocast`` (bf16 convolutions
-and matmuls, float32 parameters, optimizer state and loss), PyTorch's mixed-precision path on
-CPU. Activations are channels-last (NHWC, as jssl's, and oneDNN's faster layout on CPU) unless
-``channels_last=False`` asks for PyTorch's default NCHW (``train_step.py --compare_torch
---torch_layout=nchw`` times that one).
+and matmuls, float32 parameters, optimizer state and loss), PyTorch's mixed-precision path.
+The step runs on the GPU when PyTorch sees one (CUDA), else on the CPU; ``compile=True`` wraps
+both encoders in ``torch.compile`` (``train_step.py --compare_torch --torch_compile``).
+Activations are channels-last (NHWC, as jssl's, and the faster layout of oneDNN and of cuDNN's
+bf16 convolutions) unless ``channels_last=False`` asks for PyTorch's default NCHW
+(``train_step.py --compare_torch --torch_layout=nchw`` times that one).
 
 Importing this module imports torch, a development dependency only.
 """
@@ -112,15 +114,19 @@ class MoCoStep:
         queue_size: int,
         seed: int = 0,
         channels_last: bool = True,
+        compile: bool = False,
     ):
         torch.manual_seed(seed)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         head_dims = (spec["head"], 2048, 128)
         self.query_encoder = Encoder(int(spec["trunk"][6:]), spec["cifar_stem"], head_dims)
         self.key_encoder = Encoder(int(spec["trunk"][6:]), spec["cifar_stem"], head_dims)
         self.key_encoder.load_state_dict(self.query_encoder.state_dict())
         for p in self.key_encoder.parameters():
             p.requires_grad_(False)
-        self.queue = F.normalize(torch.randn(queue_size, head_dims[-1]), dim=1)
+        self.query_encoder.to(self.device)
+        self.key_encoder.to(self.device)
+        self.queue = F.normalize(torch.randn(queue_size, head_dims[-1]), dim=1).to(self.device)
         self.ptr = 0
         self.momentum, self.temperature = 0.999, 0.2  # configs/moco.py
         self.optimizer = torch.optim.SGD(
@@ -132,24 +138,28 @@ class MoCoStep:
         )
         self.autocast = dtype == "bfloat16"
         n, size = spec["batch"], spec["image_size"]
-        self.views = torch.randn(2, n, 3, size, size)
+        self.views = torch.randn(2, n, 3, size, size).to(self.device)
         if channels_last:  # NHWC activations, as jssl's: oneDNN's NHWC kernels
             for module in (self.query_encoder, self.key_encoder):
                 module.to(memory_format=torch.channels_last)
             self.views = tuple(v.contiguous(memory_format=torch.channels_last) for v in self.views)
+        self.query, self.key = self.query_encoder, self.key_encoder
+        if compile:
+            self.query, self.key = torch.compile(self.query), torch.compile(self.key)
 
     def __call__(self) -> float:
         view_q, view_k = self.views
         n = view_q.shape[0]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-            query = self.query_encoder(view_q)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            query = self.query(view_q)
             with torch.no_grad():
-                perm = torch.randperm(n)
-                keys = self.key_encoder(view_k[perm])[torch.argsort(perm)]
+                perm = torch.randperm(n, device=self.device)
+                keys = self.key(view_k[perm])[torch.argsort(perm)]
         query = F.normalize(query.float(), dim=1)
         keys = F.normalize(keys.float(), dim=1)
         logits = torch.cat([(query * keys).sum(1, keepdim=True), query @ self.queue.T], dim=1)
-        loss = F.cross_entropy(logits / self.temperature, torch.zeros(n, dtype=torch.long))
+        labels = torch.zeros(n, dtype=torch.long, device=self.device)
+        loss = F.cross_entropy(logits / self.temperature, labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -165,13 +175,20 @@ class MoCoStep:
 
 
 def run_case(
-    spec: dict[str, Any], dtype: str, steps: int, queue_size: int, channels_last: bool = True
+    spec: dict[str, Any],
+    dtype: str,
+    steps: int,
+    queue_size: int,
+    channels_last: bool = True,
+    compile: bool = False,
 ) -> dict[str, Any]:
-    """Times ``steps`` MoCo steps after a warm-up one; returns the per-step seconds."""
-    step = MoCoStep(spec, dtype, queue_size, channels_last=channels_last)
+    """Times ``steps`` MoCo steps after two warm-up ones; returns the per-step seconds (each
+    step ends by reading the loss, which waits for the GPU)."""
+    step = MoCoStep(spec, dtype, queue_size, channels_last=channels_last, compile=compile)
     t0 = time.perf_counter()
-    step()  # warm-up: oneDNN primitive creation, allocator
+    step()  # warm-up: oneDNN primitive creation or cuDNN's algorithm choice, allocator, compile
     first_s = time.perf_counter() - t0
+    step()
     times, cpu_times = [], []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -179,5 +196,13 @@ def run_case(
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
     return dict(
-        step_s=times, cpu_s=cpu_times, first_s=first_s, loss=loss, threads=torch.get_num_threads()
+        step_s=times,
+        cpu_s=cpu_times,
+        first_s=first_s,
+        loss=loss,
+        threads=torch.get_num_threads(),
+        device=str(step.device),
+        device_peak_gib=(
+            torch.cuda.max_memory_allocated() / 2**30 if step.device.type == "cuda" else None
+        ),
     )

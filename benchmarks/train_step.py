@@ -20,7 +20,10 @@ Each run prints its table and writes it to benchmarks/results/train_step[-<mode>
 Cases (name = trunk, crop size, global batch): r18_32 = ResNet-18 (CIFAR stem) at 32 px, batch
 256; r18_32_b64 the same at batch 64; r50_96 = ResNet-50 at 96 px, batch 32; r50_224 = ResNet-50
 at 224 px, batch 32; vit_t_32 = ViT-Tiny, patch 4, 32 px, batch 64 (a CPU-sized ViT: 8x8
-patches); vit_s16_224 = ViT-S/16 at 224 px, batch 32 (DINO's and MoCo v3's ViT). SwAV adds its
+patches); vit_s16_224 = ViT-S/16 at 224 px, batch 32 (DINO's and MoCo v3's ViT). The GPU
+cases take a GPU's per-device batch: r50_224_b256 (ResNet-50, 224 px, batch 256),
+vit_s16_224_b128 and vit_b16_224_b64 (ViT-S/16 and ViT-B/16, DINO with its recipe's 2 + 10
+crops: 224 px global, 96 px local). SwAV adds its
 multi-crop: 2 crops at the case's size + 6 small ones (``small`` px), so its images/s count
 images of 8 crops; DINO takes the same crops (2 global + 6 local) and its 65536-wide head (on a
 ViT: its ViT-S recipe, drop path 0.1). Barlow Twins and VICReg keep their 8192-8192-8192
@@ -137,7 +140,12 @@ def _span(label: str, values: list[float]) -> str:
 
 
 def compare_torch(
-    pairs: list[tuple[str, str]], steps: int, rounds: int, plain: bool, torch_layout: str
+    pairs: list[tuple[str, str]],
+    steps: int,
+    rounds: int,
+    plain: bool,
+    torch_layout: str,
+    torch_compile: bool = False,
 ) -> tuple[list[dict], list[str]]:
     """jssl's MoCo step, then PyTorch's (then the plain JAX step's), case by case, ``rounds``
     times; returns the rows and the headline (the ratios' geometric means over the rounds).
@@ -150,7 +158,7 @@ def compare_torch(
             job = dict(case=case, dtype=dtype, steps=steps, method="moco", queue=TORCH_QUEUE)
             load = os.getloadavg()[0]
             ours = spawn(dict(job, impl="jssl"))
-            ref = spawn(dict(job, impl="torch", layout=torch_layout))
+            ref = spawn(dict(job, impl="torch", layout=torch_layout, compile=torch_compile))
             cpu_ours, cpu_ref = statistics.median(ours["cpu_s"]), statistics.median(ref["cpu_s"])
             row = {
                 "round": r + 1,
@@ -164,6 +172,9 @@ def compare_torch(
                 "CPU torch/jssl": cpu_ref / cpu_ours,
                 "jssl compile s": ours["compile_s"],
                 "torch first step s": ref["first_s"],
+                "jssl peak GiB": ours["peak_gib"],
+                "torch peak GiB": ref["peak_gib"],
+                "jssl MFU": _mfu(ours, dtype),
                 "jssl loss": ours["loss"],
                 "torch loss": ref["loss"],
                 "load": load,
@@ -196,6 +207,14 @@ def compare_torch(
         )
     print("\n".join(headline))
     return rows, headline
+
+
+def _mfu(result: dict, dtype: str, override: float | None = None) -> float | None:
+    """One device's XLA-counted TFLOP/s of the step over its peak (None where unknown)."""
+    peak = mfu.peak_tflops(result["device_kind"], dtype, override)
+    if not (result["flops"] and peak):
+        return None
+    return result["flops"] / statistics.median(result["step_s"]) / 1e12 / peak
 
 
 def _line(row: dict, header: bool = False) -> str:
@@ -237,6 +256,11 @@ def main() -> None:
         help="--compare_torch: PyTorch's activation layout",
     )
     p.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="--compare_torch: wrap PyTorch's encoders in torch.compile",
+    )
+    p.add_argument(
         "--reference",
         default=None,
         help="method:case timed first (first dtype); every row adds its img/s ratio to it",
@@ -256,10 +280,13 @@ def main() -> None:
             cases = (args.cases or "r18_32_b64,r18_32,r50_96").split(",")
             pairs = [(c, d) for c in cases for d in (args.dtypes or "float32").split(",")]
         rows, headline = compare_torch(
-            pairs, args.steps, args.rounds, args.with_plain, args.torch_layout
+            pairs, args.steps, args.rounds, args.with_plain, args.torch_layout, args.torch_compile
         )
         name = "train_step-compare_torch" + ("-with_plain" if args.with_plain else "")
         notes = MODES["compare_torch"] + f" PyTorch layout: {args.torch_layout}."
+        if args.torch_compile:
+            name += "-torch_compile"
+            notes += " PyTorch's encoders under torch.compile."
         measures = results.summary(__doc__)
         results.record(name, rows, args=args, measures=measures, headline=headline, notes=notes)
         return

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# A GPU session's checks and figures, in parts of about five minutes each on one H100/H200
+# (each part fits one call of a lent GPU machine; the figures need the GPU to themselves):
+#
+#   bash benchmarks/gpu_session.sh figures OUTDIR  # MoCo v2 R50 vs PyTorch, DINO ViT-S/B
+#   bash benchmarks/gpu_session.sh presets OUTDIR  # every test preset in bf16, stop + resume
+#   bash benchmarks/gpu_session.sh tests OUTDIR    # models, losses, methods, optim on the GPU
+#
+# A GPU host may lack TensorFlow and a network: jssl's core needs neither (the demo data is
+# generated with numpy). Wheels in .whl/ (e.g. ml-collections, clu) are installed first when
+# present. Results files (named <benchmark>-<chip>, benchmarks/results.py) and logs go to
+# OUTDIR; copy the results files to benchmarks/results/ and run benchmarks/report.py.
+set -u -o pipefail
+part=${1:?figures, presets or tests}
+out=${2:?output directory}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 - <<'EOF'
+from importlib import metadata
+import jax
+names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax",
+         "orbax-checkpoint", "torch", "numpy")
+versions = {}
+for n in names:
+    try:
+        versions[n] = metadata.version(n)
+    except metadata.PackageNotFoundError:
+        pass
+print(versions, jax.devices())
+EOF
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+quiet() { grep -v "^[IW][0-9]\|^WARNING: All log\|^[IW]0000" | cut -c1-400; }
+
+case $part in
+figures)
+  # The train engine end to end first (a minute): nothing else is worth timing if it fails.
+  timeout 150 python3 benchmarks/presets.py --methods=moco --results="$out/presets-moco.json" \
+    2>&1 | quiet | tail -3 || exit 1
+  # The anchor: MoCo v2 ResNet-50 224 px bf16, batch 256 per GPU, against PyTorch.
+  timeout 200 python3 benchmarks/train_step.py --compare_torch --cases=r50_224_b256 \
+    --dtypes=bfloat16 --rounds=1 --steps=20 --results="$out/train_step-compare_torch.json" \
+    2>&1 | quiet | tail -4
+  # DINO ViT-S/16 and ViT-B/16, 2 x 224 + 10 x 96 px crops (about 100 s each).
+  for case in vit_s16_224_b128 vit_b16_224_b64; do
+    timeout 150 python3 benchmarks/train_step.py --methods=dino --cases=$case \
+      --dtypes=bfloat16 --steps=10 --results="$out/train_step-dino-$case.json" 2>&1 | quiet | tail -3
+  done
+  ;;
+presets)
+  # Compiling is the CPU's work: eight processes of two presets share the GPU.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  groups=(moco,mocov3 simclr,swav byol,simsiam dino,dino_vit barlow_twins,vicreg supervised,mae
+    ibot,dinov2 msn,deepclusterv2)
+  for i in "${!groups[@]}"; do
+    timeout 280 python3 benchmarks/presets.py --methods="${groups[$i]}" \
+      --results="$out/presets-$i.json" >"$out/presets-$i.log" 2>&1 &
+  done
+  wait
+  cat "$out"/presets-?.log | quiet | grep "^{\|presets\|failed"
+  ;;
+tests)
+  # -v names every test as it finishes, so a run cut short still says which failed.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  JAX_PLATFORMS=cuda timeout 280 python3 -m pytest tests/models tests/losses tests/methods \
+    tests/optim -n 8 --dist loadfile -v -p no:cacheprovider --continue-on-collection-errors \
+    --tb=short --timeout=150 >"$out/tests.log" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/tests.log" | cut -c1-300 | tail -60
+  ;;
+esac
