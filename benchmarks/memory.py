@@ -22,11 +22,10 @@ device (``gpu_specs/h100_sxm.txtpb``; JAX's CUDA plugin must be installed:
 ``pip install "jax[cuda12]"``, several GB); autotuning is off (it runs kernels), which may
 choose other kernels than a real GPU but not a different buffer plan; the device is described
 with 1 TiB of memory, so that XLA's own rematerialisation (at the device's size) stays out of
-the rows. On more than one GPU, XLA's asynchronous all-reduce of the gradients keeps the
-backward pass's activation gradients alive until it runs, which undoes most of remat's saving;
-``--sync_collectives`` compiles the collectives synchronous
-(``--xla_gpu_disable_async_collectives``) to show the difference. Nothing is allocated:
-the state is abstract (``jssl.training.fresh.abstract_state``).
+the rows. ``--sync_collectives`` compiles the collectives synchronous
+(``--xla_gpu_disable_async_collectives``): what the asynchronous gradient all-reduce, which
+overlaps the backward pass, costs in memory (jssl.models.remat says how remat keeps it small).
+Nothing is allocated: the state is abstract (``jssl.training.fresh.abstract_state``).
 """
 
 from __future__ import annotations
