@@ -20,19 +20,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 - <<'EOF'
-from importlib import metadata
-import jax
-names = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax",
-         "orbax-checkpoint", "torch", "numpy")
-versions = {}
-for n in names:
-    try:
-        versions[n] = metadata.version(n)
-    except metadata.PackageNotFoundError:
-        pass
-print(versions, jax.devices())
-EOF
+# The machine and package versions, as each results file records them.
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import results; print(results.machine())"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 quiet() { grep -v "^[IW][0-9]\|^WARNING: All log\|^[IW]0000" | cut -c1-400; }
 

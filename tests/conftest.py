@@ -5,6 +5,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On GPUs (JAX_PLATFORMS=cuda) float32 matrix products default to TF32 (a 10-bit mantissa),
+# which the tests' float32 tolerances against float64 and PyTorch references do not allow.
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # LLVM at -O0 for the tests' tiny models: XLA compiles about 30% faster (measured: one Barlow
 # Twins end-to-end test, 42.5 s -> 29.9 s of CPU) and their steps take milliseconds either
 # way. Subprocesses inherit it (their launchers append to XLA_FLAGS, never replace it).
