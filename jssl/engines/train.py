@@ -116,11 +116,9 @@ def run(
     steps_per_epoch: int | None = None,
 ) -> dict[str, Any]:
     """Trains ``config.method`` and returns the final summary: ``step``, ``loss`` (the last
-    step's; None when no step ran), ``state`` and, with
-    the kNN monitor on, the kNN accuracies (``knn``, ``knn_random_init``, ``knn_comparison``).
-
-    ``summary["preempted"]``: stopped on SIGTERM or a first Ctrl-C after saving (launch.py
-    exits with ``preemption.PREEMPTED_EXIT_CODE``).
+    step's; None when no step ran), ``state``, with the kNN monitor on the kNN accuracies
+    (``knn``, ``knn_random_init``, ``knn_comparison``), and ``preempted`` when SIGTERM or a
+    first Ctrl-C stopped it after saving (launch.py exits with ``PREEMPTED_EXIT_CODE``).
 
     ``batches``: the caller's host batches in place of jssl's pipeline (``jssl.train``), an
     iterable or ``epoch -> iterable``; ``steps_per_epoch`` (default ``len(batches)``) an epoch.
@@ -202,8 +200,7 @@ def run(
             host_batches = batches_lib.pipeline_batches(config, position, plan)
         else:
             host_batches = batches_lib.user_batches(batches, position, plan)
-        # ``step``: the steps done once this batch is trained. The range ends the run at
-        # max_steps, the batches at the end of the last epoch.
+        # ``step``: steps done once this batch is trained; the run ends at max_steps or the data.
         for step, (epoch, index, host_batch) in zip(
             range(first_step + 1, plan.max_steps + 1), host_batches, strict=False
         ):
@@ -258,7 +255,7 @@ def run(
         checkpoint.finish(manager)
         checks(state, step)
         summary["step"] = step
-        summary["loss"] = None if metrics is None else float(metrics["loss"])  # the last step's
+        summary["loss"] = None if metrics is None else float(metrics["loss"])
         if not stopped and step >= plan.max_steps:
             evaluate.mark_finished(workdir, step)
         if stopped:
