@@ -326,7 +326,6 @@ def time_rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
         reference = reference or r["per_s"]
         # Per device: XLA's count of the step's operations over the median step time.
         tflops = r["flops"] / statistics.median(r["step_s"]) / 1e12 if r["flops"] else None
-        peak = mfu.peak_tflops(r["device_kind"], dtype, args.peak_tflops)
         row = {
             "method": method,
             "case": case,
@@ -336,7 +335,7 @@ def time_rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
             "compile s": r["compile_s"],
             "peak GiB": r["peak_gib"],
             "TFLOP/s": tflops,
-            "MFU": tflops / peak if tflops and peak else None,
+            "MFU": _mfu(r, dtype, args.peak_tflops),
         }
         if args.compare_cpu_flags:
             d = spawn(dict(job, default_flags=True))
