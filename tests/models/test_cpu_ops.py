@@ -182,7 +182,7 @@ def test_resnet_trains_its_stem_max_pool_through_cpu_max_pool(train):
     assert ("custom_vjp_call" in ops) == train  # evaluation keeps flax's max_pool
     if train:
         (got, got_y), (want, want_y) = (
-            jax.grad(functools.partial(loss, pool=pool), has_aux=True)(variables["params"])
+            jax.jit(jax.grad(functools.partial(loss, pool=pool), has_aux=True))(variables["params"])
             for pool in (cpu_max_pool, _lax_max_pool)
         )
         np.testing.assert_array_equal(got_y, want_y)
