@@ -1,6 +1,7 @@
-"""SimCLR's gathered negatives and SwAV's Sinkhorn sums: the same global batch gives the same
-loss, gradients, per-example losses and codes without a mesh, on a 1-device mesh and on a
-4-device mesh (tests/losses_parity.py in a subprocess with 4 forced CPU devices)."""
+"""SimCLR's gathered negatives, MoCo v3's gathered keys and SwAV's Sinkhorn sums: the same
+global batch gives the same loss, gradients, per-example losses and codes without a mesh, on a
+1-device mesh and on a 4-device mesh (tests/support/losses_parity.py in a subprocess with 4
+forced CPU devices)."""
 
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "support", "losses_parity.py")
-LOSSES = ("simclr", "multicrop", "swav")
+LOSSES = ("simclr", "multicrop", "mocov3", "swav")
 OUTPUTS = ("loss", "grad_w", "grad_prototypes", "per_example", "codes")
 
 

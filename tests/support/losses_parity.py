@@ -1,4 +1,4 @@
-"""Computes SimCLR / multi-crop SimCLR / SwAV losses, gradients and Sinkhorn codes for one
+"""Computes SimCLR / multi-crop SimCLR / MoCo v3 / SwAV losses, gradients and Sinkhorn codes for one
 fixed global batch: without a mesh (axis_name=None), and per replica under ``jax.shard_map``
 on 1-device and 4-device meshes, the way jssl's train step does (value_and_grad per replica,
 then pmean of loss and gradients). Saves everything to an .npz for tests/test_losses_parallel.py.
@@ -39,6 +39,12 @@ def make_losses(axis_name):
     def multicrop(params, x, queue):
         return losses.multicrop_simclr_info_nce(embed(params, x), 0.5, axis_name)
 
+    def mocov3(params, x, queue):
+        # Keys without gradient (the momentum encoder's, here other crops' embeddings): every
+        # device's keys are the negatives, the gradient is the local queries'.
+        keys = jax.lax.stop_gradient(embed(params, x[1:]))
+        return losses.mocov3_info_nce(embed(params, x[:2]), keys, 0.5, axis_name)
+
     def swav(params, x, queue):
         prototypes = losses.l2_normalize(params["prototypes"])
         scores = losses.l2_normalize(embed(params, x)) @ prototypes.T
@@ -55,7 +61,7 @@ def make_losses(axis_name):
         both = jnp.concatenate([scores, queue_scores])
         return losses.sinkhorn_knopp(both, 0.5, 3, axis_name)[: x.shape[1]]
 
-    return {"simclr": simclr, "multicrop": multicrop, "swav": swav}, codes
+    return {"simclr": simclr, "multicrop": multicrop, "mocov3": mocov3, "swav": swav}, codes
 
 
 def per_replica(name, axis_name, reduce_axis):
@@ -101,7 +107,7 @@ def main() -> None:
         )
 
     results = {"devices": np.asarray(len(devices))}
-    for name in ("simclr", "multicrop", "swav"):
+    for name in ("simclr", "multicrop", "mocov3", "swav"):
         variants = {
             "plain": jax.jit(per_replica(name, None, None)),
             "one": sharded(name, devices[:1], DATA_AXIS),

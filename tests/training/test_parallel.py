@@ -49,11 +49,13 @@ def _free_port() -> int:
 # sharding bug would break. One subprocess per device count runs them all. SimCLR's, Barlow
 # Twins' and VICReg's cross-device terms are compared at the loss level instead
 # (test_losses_parallel.py, test_barlow_twins.py, test_vicreg.py, with a control showing the
-# comparison can fail), and the step wiring they share (keys gathered over the global batch,
-# sync BN of two views) is covered here by mocov3; supervised adds only sync BN, and BYOL's
-# step is MoCo v3's wiring (synchronised BN in trunk, projector and predictor of the online
-# and EMA networks) without the gathered keys. (A method that forgot to pass the mesh axis to
-# its loss would no longer be caught here.) Leaving those five out saves minutes of CPU.
+# comparison can fail), and the step wiring they share (embeddings gathered over the global
+# batch: simclr_accum; synchronised BN of two views in an online and a momentum encoder: moco,
+# whose ResNet trunks run sync BN here) is covered by the rows below; supervised adds only sync
+# BN, and BYOL's step is MoCo v3's wiring (synchronised BN in trunk, projector and predictor of
+# the online and EMA networks) without the gathered keys. (A method that forgot to pass the
+# mesh axis to its loss would no longer be caught here.) Leaving those five out saves minutes
+# of CPU.
 PARITY = {
     "moco": "the queue and the momentum encoder's EMA after every step",
     "swav": "Sinkhorn sums over every device and each device's slice of the queue (on from "
@@ -75,12 +77,14 @@ PARITY = {
     "keyed by example whatever micro-batch it lands in",
     "dino_accum": "the centre and the teacher's targets over every micro-batch of every device",
 }
-# Slow tier (JSSL_SLOW_TESTS=1), with the CI row that holds what each adds: DINO on the ResNet
-# (the centre: dino_vit; the teacher's synchronised BN statistics: mocov3's momentum encoder),
-# SimSiam (synchronised BN of each view: mocov3; its collapse monitor is a logged metric) and
-# LARC (its trust ratios over split parameters: the optimizer on split state is every row's;
-# LARC's own norms are tests/optim's).
-SLOW = ("dino", "simsiam", "moco_larc")
+# Slow tier (JSSL_SLOW_TESTS=1), with the CI test that holds what each adds: MoCo v3 (its keys
+# gathered without gradient: test_losses_parallel.py; synchronised BN in an online and a
+# momentum encoder: the moco row, whose ResNet trunks run sync BN here; the EMA: moco), DINO on
+# the ResNet (the centre: dino_vit; the teacher's synchronised BN statistics: moco's momentum
+# encoder), SimSiam (synchronised BN of each view: moco; its collapse monitor is a logged
+# metric) and LARC (its trust ratios over split parameters: the optimizer on split state is
+# every row's; LARC's own norms are tests/optim's).
+SLOW = ("mocov3", "dino", "simsiam", "moco_larc")
 # The 4-device runs split the state (parallel.shard_params, every kernel of the tiny models):
 # parameters gathered for the forward pass, gradients reduce-scattered, the optimizer and
 # after_update (EMA, queues, SwAV's prototype normalisation) on the split arrays. The
@@ -195,6 +199,9 @@ def test_two_processes_match_one(one_device, tmp_path):
         _assert_same(one_device, two, method)
 
 
+# Slow tier: MoCo's per-device batch norm with shuffle-BN runs on 4 devices in CI in
+# tests/training/test_verify.py (its per_device_bn case).
+@pytest.mark.slow
 def test_per_device_bn_with_shuffle_runs_on_four_devices(tmp_path):
     """sync_bn=False uses per-device statistics and MoCo's shuffle-BN across devices."""
     result = _run(tmp_path / "r.npz", 4, "--sync_bn", "0", "--methods", "moco")
