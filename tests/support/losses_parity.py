@@ -1,7 +1,8 @@
-"""Computes SimCLR / multi-crop SimCLR / MoCo v3 / SwAV losses, gradients and Sinkhorn codes for one
-fixed global batch: without a mesh (axis_name=None), and per replica under ``jax.shard_map``
-on 1-device and 4-device meshes, the way jssl's train step does (value_and_grad per replica,
-then pmean of loss and gradients). Saves everything to an .npz for tests/test_losses_parallel.py.
+"""Computes SimCLR / multi-crop SimCLR / MoCo v3 / SwAV losses, gradients and Sinkhorn codes
+for one fixed global batch: without a mesh (axis_name=None), and per replica under
+``jax.shard_map`` on 1-device and 4-device meshes, the way jssl's train step does
+(value_and_grad per replica, then pmean of loss and gradients). Saves everything to an .npz for
+tests/losses/test_losses_parallel.py.
 
 The device count is fixed by XLA_FLAGS before JAX starts, hence a separate process:
 
@@ -107,7 +108,7 @@ def main() -> None:
         )
 
     results = {"devices": np.asarray(len(devices))}
-    for name in ("simclr", "multicrop", "mocov3", "swav"):
+    for name in make_losses(None)[0]:
         variants = {
             "plain": jax.jit(per_replica(name, None, None)),
             "one": sharded(name, devices[:1], DATA_AXIS),
