@@ -5,24 +5,31 @@
 #   bash benchmarks/gpu_session.sh figures OUTDIR  # MoCo v2 R50 vs PyTorch, DINO ViT-S/B
 #   bash benchmarks/gpu_session.sh presets OUTDIR  # every test preset in bf16, stop + resume
 #   bash benchmarks/gpu_session.sh tests OUTDIR    # models, losses, methods, optim on the GPU
+#   bash benchmarks/gpu_session.sh checks OUTDIR   # presets and tests at once (untimed; 6 min)
+#   bash benchmarks/gpu_session.sh vits OUTDIR     # DINO ViT-S/16 and ViT-B/16 alone
 #
 # A GPU host may lack TensorFlow and a network: jssl's core needs neither (the demo data is
 # generated with numpy). Wheels in .whl/ (e.g. ml-collections, clu) are installed first when
 # present. Results files (named <benchmark>-<chip>, benchmarks/results.py) and logs go to
-# OUTDIR; copy the results files to benchmarks/results/ and run benchmarks/report.py.
+# OUTDIR (a lent machine returns 8 files: tar the folder); copy the results files to
+# benchmarks/results/ and run benchmarks/report.py.
 set -u -o pipefail
-part=${1:?figures, presets or tests}
+part=${1:?figures, vits, presets, tests or checks}
 out=${2:?output directory}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# Once per session: a part that calls other parts has already done this for them.
+if [ -z "${JSSL_GPU_SESSION:-}" ]; then
+  export JSSL_GPU_SESSION=1
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  # The machine and package versions, as each results file records them.
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import results; print(results.machine())"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 fi
-# The machine and package versions, as each results file records them.
-python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import results; print(results.machine())"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 quiet() { grep -v "^[IW][0-9]\|^WARNING: All log\|^[IW]0000" | cut -c1-400; }
 
 case $part in
@@ -34,11 +41,22 @@ figures)
   timeout 200 python3 benchmarks/train_step.py --compare_torch --cases=r50_224_b256 \
     --dtypes=bfloat16 --rounds=1 --steps=20 --results="$out/train_step-compare_torch.json" \
     2>&1 | quiet | tail -4
+  bash "$0" vits "$out"
+  ;;
+vits)
   # DINO ViT-S/16 and ViT-B/16, 2 x 224 + 10 x 96 px crops (about 100 s each).
   for case in vit_s16_224_b128 vit_b16_224_b64; do
-    timeout 150 python3 benchmarks/train_step.py --methods=dino --cases=$case \
-      --dtypes=bfloat16 --steps=10 --results="$out/train_step-dino-$case.json" 2>&1 | quiet | tail -3
+    timeout 130 python3 benchmarks/train_step.py --methods=dino --cases=$case \
+      --dtypes=bfloat16 --steps=10 --results="$out/train_step-dino-$case.json" 2>&1 |
+      tee "$out/train_step-dino-$case.log" | quiet | tail -4
   done
+  ;;
+checks)
+  # The untimed checks share the machine: presets in the background, the tests beside them.
+  bash "$0" presets "$out" >"$out/presets.out" 2>&1 &
+  bash "$0" tests "$out" 3
+  wait
+  cat "$out/presets.out"
   ;;
 presets)
   # Compiling is the CPU's work: eight processes of two presets share the GPU.
@@ -46,7 +64,7 @@ presets)
   groups=(moco,mocov3 simclr,swav byol,simsiam dino,dino_vit barlow_twins,vicreg supervised,mae
     ibot,dinov2 msn,deepclusterv2)
   for i in "${!groups[@]}"; do
-    timeout 280 python3 benchmarks/presets.py --methods="${groups[$i]}" \
+    timeout 330 python3 benchmarks/presets.py --methods="${groups[$i]}" \
       --results="$out/presets-$i.json" >"$out/presets-$i.log" 2>&1 &
   done
   wait
@@ -55,8 +73,8 @@ presets)
 tests)
   # -v names every test as it finishes, so a run cut short still says which failed.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  JAX_PLATFORMS=cuda timeout 280 python3 -m pytest tests/models tests/losses tests/methods \
-    tests/optim -n 8 --dist loadfile -v -p no:cacheprovider --continue-on-collection-errors \
+  JAX_PLATFORMS=cuda timeout 320 python3 -m pytest tests/models tests/losses tests/methods \
+    tests/optim -n "${3:-8}" --dist loadfile -v -p no:cacheprovider --continue-on-collection-errors \
     --tb=short --timeout=150 >"$out/tests.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/tests.log" | cut -c1-300 | tail -60
   ;;

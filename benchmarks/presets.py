@@ -77,6 +77,9 @@ def run_one(module: str, preset: str, dtype: str, workdir: str, cache_dir: str) 
         "resumed s": t2 - t1,
         "loss": loss,
         "finite": math.isfinite(loss) and math.isfinite(float(first["loss"])),
+        # SIGTERM (a session's ``timeout``) stops a run at a step with a checkpoint and
+        # returns: the row is cut short, not failed.
+        "stopped": bool(first.get("preempted") or second.get("preempted")),
     }
 
 
@@ -106,8 +109,14 @@ def main() -> None:
             row["ok"] = bool(ok)
             rows.append({k: results.rounded(v) for k, v in row.items()})
             print(rows[-1], flush=True)
-    failed = [r["method"] for r in rows if not r["ok"]]
-    headline = [f"{len(rows) - len(failed)} of {len(rows)} presets trained, resumed and finite"]
+    stopped = [r["method"] for r in rows if r.get("stopped")]
+    failed = [r["method"] for r in rows if not r["ok"] and not r.get("stopped")]
+    ok = len(rows) - len(failed) - len(stopped)
+    headline = [f"{ok} of {len(rows)} presets trained, resumed and finite"]
+    if stopped:
+        headline.append(
+            f"stopped by SIGTERM before the end, checkpoint saved: {', '.join(stopped)}"
+        )
     if failed:
         headline.append(f"failed: {', '.join(failed)}")
     print("\n".join(headline))

@@ -66,7 +66,7 @@ def run_case(
     lowered = step.lower(state, batch_arrays, stop)
     compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    flops = mfu.step_flops(lowered, compiled)
+    flops = mfu.step_flops(lowered)
     state, metrics = compiled(state, batch_arrays, stop)  # warm-up
     jax.block_until_ready((state, metrics))
     times, cpu_times = [], []
@@ -85,6 +85,8 @@ def run_case(
             jax.block_until_ready(augment_alone(batch_arrays))
             augment_s.append(time.perf_counter() - t0)
     device = jax.devices()[0]
+    if flops is None and device.platform != "cpu":
+        flops = mfu.count_on_cpu(method_name, case, dtype, queue_size, on_device)
     return dict(
         augment_s=augment_s,
         devices=f"{jax.device_count()}x{device.platform}",

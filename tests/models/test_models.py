@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -262,3 +263,20 @@ def test_builders_validate_config():
     cfg.trunk, cfg.dtype = "resnet50", "bfloat16"
     trunk = build_trunk(cfg, bn_axis_name="data", num_classes=10)
     assert trunk.dtype == jnp.bfloat16 and trunk.bn_axis_name == "data" and trunk.num_classes == 10
+
+
+def test_resnet_keeps_lax_operations_off_the_cpu_backend():
+    # GPUs and TPUs train the ResNet with lax's convolutions and flax's max-pool: only XLA's
+    # CPU backend takes jssl/models/cpu_ops.py's (tests/models/test_cpu_ops.py).
+    model = ResNet(depth=50, width_multiplier=0.125)
+    x = jnp.zeros((1, 64, 64, 3))
+    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+        variables = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
+        ops = str(
+            jax.make_jaxpr(lambda v: model.apply(v, x, train=True, mutable=["batch_stats"]))(
+                variables
+            )
+        )
+    # 16 bottlenecks x 3 convolutions, 4 downsamples and the stem, all lax's.
+    assert (ops.count("dot_general"), ops.count("conv_general_dilated")) == (0, 53)
+    assert " sign " not in ops and "custom_vjp_call" not in ops
