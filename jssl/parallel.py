@@ -154,33 +154,45 @@ def sharded_dim(spec: P) -> int | None:
     return None
 
 
-def gather(tree: Any, specs: Any) -> Any:
-    """Inside ``shard_map``: every leaf that ``specs`` splits over the data axis, whole."""
+def gather(tree: Any, specs: Any, kept: Any = None) -> Any:
+    """Inside ``shard_map``: every leaf that ``specs`` splits over the data axis, whole, but
+    those that ``kept`` (a tree of bools like ``tree``) marks: the rematerialised blocks that
+    use them gather them (jssl.models.remat.gathering)."""
 
-    def whole(x, spec):
+    def whole(x, spec, keep=False):
         dim = sharded_dim(spec)
-        return x if dim is None else jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+        if dim is None or keep:
+            return x
+        return jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
 
-    return jax.tree.map(whole, tree, specs)
+    if kept is None:
+        return jax.tree.map(whole, tree, specs)
+    return jax.tree.map(whole, tree, specs, kept)
 
 
-def mean_to_shards(tree: Any, specs: Any, replicas: int) -> Any:
+def mean_to_shards(tree: Any, specs: Any, replicas: int, summed: Any = None) -> Any:
     """Inside ``shard_map``: per-device values (gradients) averaged over the data axis, each
     leaf left as this device's part of its spec (a reduce-scatter) or whole (an all-reduce).
+    Leaves that ``summed`` (a tree of bools) marks are this device's part of the sum already
+    (the gradient of a block's own gather, whose transpose is the reduce-scatter): divided.
 
     Over one device the mean is the value itself, but XLA would still emit the all-reduce and
     give every gradient a second buffer; it is left out.
     """
 
-    def mean(x, spec):
+    def mean(x, spec, done=False):
         if replicas == 1:
             return x
         dim = sharded_dim(spec)
         if dim is None:
             return jax.lax.pmean(x, DATA_AXIS)
+        if done:
+            return x / replicas
         return jax.lax.psum_scatter(x, DATA_AXIS, scatter_dimension=dim, tiled=True) / replicas
 
-    return jax.tree.map(mean, tree, specs)
+    if summed is None:
+        return jax.tree.map(mean, tree, specs)
+    return jax.tree.map(mean, tree, specs, summed)
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

@@ -7,20 +7,37 @@ Policies: ``none``; ``full`` keeps only each block's input; ``dots`` also keeps 
 its matrix multiplications (a ViT's attention and MLP projections), so the backward pass
 recomputes only the cheap elementwise work between them.
 
-A rematerialised block's backward pass also hands its parameters' gradients and its input's
-gradient on together (an optimisation barrier over both), so each block's weight gradients
-are computed before the backward pass moves to the block below. Without it XLA's GPU
-scheduler, overlapping the asynchronous gradient all-reduce with the backward pass, defers the
-weight-gradient products and keeps every block's recomputed activations and activation
-gradients alive until then. DINO ViT-L/16 at batch 1024 on 8 H100s (``benchmarks/memory.py
---compiler h100``, compiled ahead of time): temporaries per device 128 GiB without remat; with
-``full``, 81.5 GiB without the barrier and 10.8 GiB with it.
+A rematerialised block without batch norm (a ViT's) hands its parameters' gradients and its
+input's gradient on together in the backward pass (an optimisation barrier over both), so each
+block's weight gradients are computed before the backward pass moves to the block below.
+Without it XLA's GPU scheduler, overlapping the asynchronous gradient all-reduce with the
+backward pass, defers the weight-gradient products and keeps every block's recomputed
+activations and activation gradients alive until then. DINO ViT-L/16 at batch 1024 on 8 H100s
+(``benchmarks/memory.py --compiler h100``, compiled ahead of time, parameters gathered whole):
+temporaries per device 128 GiB without remat; with ``full``, 81.5 GiB without the barrier and
+10.8 GiB with it. Blocks with batch norm in train mode (ResNet, RegNet) go without it: flax's
+custom_vjp cannot take running statistics that an earlier call of the trunk produced.
+
+With the state split over the devices (``parallel.shard_params``), a rematerialised block
+gathers its own parameters inside the recomputed region (:func:`gathering`): the whole
+parameters never exist at once, the backward pass gathers a block's again when it recomputes
+the block, and the transpose of the gather hands back each block's gradient already
+reduce-scattered. The train step finds which of the state's split leaves reach a block
+unchanged by tracing the method's loss once (:func:`recording`); the others it gathers whole
+before the forward pass, as without remat.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
 import flax.linen as nn
 import jax
+from flax import traverse_util
 
 POLICIES = {
     "none": None,
@@ -43,7 +60,100 @@ def wrap(block: type[nn.Module], remat: str, static_argnums: tuple[int, ...] = (
     check(remat)
     if remat == "none":
         return block
-    return _tied(nn.remat(block, policy=POLICIES[remat], static_argnums=static_argnums))
+    # The gather of a split state's leaves (_gather_in) inside the recomputed region; an
+    # identity unless the step asks for it (gathering).
+    # (mutable: flax's map_variables initialises a block with batch norm this way only.)
+    own = nn.map_variables(block, "params", trans_in_fn=_gather_in, mutable=True)
+    return _tied(nn.remat(own, policy=POLICIES[remat], static_argnums=static_argnums))
+
+
+@dataclasses.dataclass
+class _Recorder:
+    """What the blocks saw while the step traced the method's loss once: per block leaf
+    (the block's scope path, the leaf's path in it), the state's leaves that reached it
+    unchanged (``ids``: ``id`` of a state leaf -> its key) and the shapes it had."""
+
+    ids: dict[int, Any]
+    seen: dict[tuple, list] = dataclasses.field(default_factory=dict)
+
+    def leaves(self) -> set:
+        """Keys of the state's leaves that only reach blocks unchanged, at block leaves of one
+        shape (two shapes at one block path: none of its leaves is left to the block)."""
+        keys = set()
+        for uses in self.seen.values():
+            if len({shape for shape, _ in uses}) == 1:
+                keys.update(key for _, key in uses if key is not None)
+        return keys
+
+    def shapes(self) -> dict[tuple, tuple]:
+        return {k: uses[0][0] for k, uses in self.seen.items() if len({u[0] for u in uses}) == 1}
+
+
+@dataclasses.dataclass
+class _Plan:
+    shapes: dict[tuple, tuple]  # (block path, leaf path) -> the whole leaf's shape
+    axis: str
+
+
+_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("jssl_remat_gather", default=None)
+_DIMS: contextvars.ContextVar = contextvars.ContextVar("jssl_remat_gather_dims", default=None)
+
+
+@contextlib.contextmanager
+def recording(ids: dict[int, Any]) -> Iterator[_Recorder]:
+    """While the step traces the method's loss on whole parameters: which of them (``ids``:
+    ``id(leaf)`` -> a key of the caller's) reach a rematerialised block unchanged."""
+    recorder = _Recorder(ids)
+    token = _CONTEXT.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def gathering(recorder: _Recorder, axis: str) -> Iterator[None]:
+    """While the step traces its per-device body: a block whose leaves arrive as this
+    device's part of the recorded whole shape gathers them over ``axis`` itself."""
+    token = _CONTEXT.set(_Plan(recorder.shapes(), axis))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def _gather_dims(module: nn.Module) -> dict[tuple, int]:
+    """The leaves (path in the block -> split dimension) that ``module`` must gather, and
+    under :func:`recording` what it sees."""
+    context = _CONTEXT.get()
+    if context is None or module.is_initializing():
+        return {}
+    params = traverse_util.flatten_dict(dict(module.variables.get("params", {})))
+    path = tuple(module.scope.path)
+    if isinstance(context, _Recorder):
+        for name, leaf in params.items():
+            use = (tuple(leaf.shape), context.ids.get(id(leaf)))
+            context.seen.setdefault((path, name), []).append(use)
+        return {}
+    dims = {}
+    for name, leaf in params.items():
+        whole = context.shapes.get((path, name))
+        if whole is not None and tuple(leaf.shape) != whole:
+            (dim,) = [d for d, (a, b) in enumerate(zip(leaf.shape, whole, strict=True)) if a != b]
+            dims[name] = dim
+    return dims
+
+
+def _gather_in(variables: Any) -> Any:
+    """map_variables' input transform: the leaves :func:`_gather_dims` named, whole."""
+    dims = _DIMS.get()
+    if not dims:
+        return variables
+    axis = _CONTEXT.get().axis
+    flat = traverse_util.flatten_dict(dict(variables["params"]))
+    for name, dim in dims.items():
+        flat[name] = jax.lax.all_gather(flat[name], axis, axis=dim, tiled=True)
+    return {**variables, "params": traverse_util.unflatten_dict(flat)}
 
 
 def _tied(block: type[nn.Module]) -> type[nn.Module]:
@@ -53,8 +163,14 @@ def _tied(block: type[nn.Module]) -> type[nn.Module]:
 
     class Tied(block):
         def __call__(self, x, *args, **kwargs):
+            dims = _gather_dims(self)
+
             def apply(module, x):
-                return block.__call__(module, x, *args, **kwargs)
+                token = _DIMS.set(dims)
+                try:
+                    return block.__call__(module, x, *args, **kwargs)
+                finally:
+                    _DIMS.reset(token)
 
             def forward(module, x):
                 return nn.vjp(apply, module, x)  # (output, its vjp as the residual)
@@ -62,6 +178,12 @@ def _tied(block: type[nn.Module]) -> type[nn.Module]:
             def backward(vjp_fn, cotangent):
                 return jax.lax.optimization_barrier(vjp_fn(cotangent))
 
+            if self.is_mutable_collection("batch_stats") and "batch_stats" in self.variables:
+                # Batch norm in train mode: flax's custom_vjp would close over the running
+                # statistics, which a second call of the trunk in one loss (SimSiam's views,
+                # one after the other) passes in as tracers of the first: JAX rejects the
+                # leak. Such a block (ResNet, RegNet) is recomputed without the barrier.
+                return apply(self, x)
             return nn.custom_vjp(apply, forward, backward)(self, x)
 
     Tied.__name__ = Tied.__qualname__ = block.__name__

@@ -9,7 +9,9 @@ methods use named collectives; the whole thing is one ``jax.jit`` with the state
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,12 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jssl import methods, parallel
 from jssl.methods import Method
 from jssl.methods.common import mean_over_devices
+from jssl.models import remat
 from jssl.parallel import DATA_AXIS
 from jssl.training import accumulation, collapse
 from jssl.training import probe as online_probe
@@ -76,26 +80,29 @@ def make_train_step(
         return tree if replicas == 1 else jax.lax.pmean(tree, DATA_AXIS)
 
     def per_replica(state: TrainState, batch: Any, stop: jax.Array):
-        # The state's split leaves whole, as every method's forward expects them.
+        # The state's split leaves whole, as every method's forward expects them, but those
+        # that rematerialised blocks gather themselves (remat.gathering; own marks them).
         state = state.replace(
-            params=parallel.gather(state.params, specs.params),
-            ema_params=parallel.gather(state.ema_params, specs.ema_params),
+            params=parallel.gather(state.params, specs.params, own.params),
+            ema_params=parallel.gather(state.ema_params, specs.ema_params, own.ema_params),
         )
         if augment is not None:
             batch = augment(batch)
         # Same key on every replica: methods that need agreement (shuffle-BN's permutation)
         # get it for free; per-replica randomness folds in jax.lax.axis_index(DATA_AXIS).
         rng = jax.random.fold_in(state.rng, state.step)
-        # jssl.methods.loss: weighted(objective(forward(params))), differentiated w.r.t. params.
-        if accumulation_steps > 1:
-            (loss, out), grads = accumulation.value_and_grad(
-                method, state.params, state, batch, rng, accumulation_steps
-            )
-        else:
-            grad_fn = jax.value_and_grad(functools.partial(methods.loss, method), has_aux=True)
-            (loss, out), grads = grad_fn(state.params, state, batch, rng)
+        with blocks_gather():
+            # jssl.methods.loss: weighted(objective(forward(params))), differentiated w.r.t.
+            # params.
+            if accumulation_steps > 1:
+                (loss, out), grads = accumulation.value_and_grad(
+                    method, state.params, state, batch, rng, accumulation_steps
+                )
+            else:
+                grad_fn = jax.value_and_grad(functools.partial(methods.loss, method), has_aux=True)
+                (loss, out), grads = grad_fn(state.params, state, batch, rng)
         # Equal local batches, so the mean of per-replica means is the global mean.
-        grads = parallel.mean_to_shards(grads, specs.params, replicas)
+        grads = parallel.mean_to_shards(grads, specs.params, replicas, own.params)
         loss, metrics = replica_mean((loss, out.metrics))
         if statistics_at is not None:
             # The same on every replica (over the gathered batch); the gather and the SVD run
@@ -160,12 +167,36 @@ def make_train_step(
         metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))
         return new_state, metrics
 
-    specs = sharded = jitted = None
+    specs = sharded = jitted = recorder = None
+    own = types.SimpleNamespace(params=None, ema_params=None)  # set by build
 
-    def build(state: TrainState):
+    def blocks_gather():
+        if not any(jax.tree.leaves((own.params, own.ema_params))):
+            return contextlib.nullcontext()
+        return remat.gathering(recorder, DATA_AXIS)
+
+    def build(state: TrainState, batch: Any):
         """The jitted step for the state's layout: ``state_specs``, else all replicated."""
-        nonlocal specs, sharded, jitted
+        nonlocal specs, sharded, jitted, recorder, own
         specs = jax.tree.map(lambda _: P(), state) if state_specs is None else state_specs
+        recorder = _record_blocks(method, state, specs, batch, mesh, augment)
+        split = {
+            (name, i)
+            for name in ("params", "ema_params")
+            for i, spec in enumerate(
+                jax.tree.leaves(getattr(specs, name), is_leaf=lambda x: isinstance(x, P))
+            )
+            if parallel.sharded_dim(spec) is not None
+        }
+        keys = recorder.leaves() & split if recorder is not None else set()
+        own = _marked(state, keys)
+        if recorder is not None:
+            logging.info(
+                "Split parameters gathered block by block (model.remat): %d of %d; the "
+                "others whole before the forward pass.",
+                len(keys),
+                len(split),
+            )
         sharded = jax.shard_map(
             per_replica,
             mesh=mesh,
@@ -184,12 +215,12 @@ def make_train_step(
         nonlocal no_stop
         if stop is None:
             no_stop = stop = stop_flags(mesh, False) if no_stop is None else no_stop
-        return (jitted or build(state))(state, batch, stop)
+        return (jitted or build(state, batch))(state, batch, stop)
 
     def trace(state: TrainState, batch: Any, stop: jax.Array):
         """``jax.jit``'s trace of ``step(state, batch, stop)`` (shapes or arrays), to lower
         ahead of time, for the host's platform or another."""
-        return (jitted or build(state)).trace(state, batch, stop)
+        return (jitted or build(state, batch)).trace(state, batch, stop)
 
     def lower(state: TrainState, batch: Any, stop: jax.Array):
         return trace(state, batch, stop).lower()
@@ -197,6 +228,56 @@ def make_train_step(
     train_step.lower = lower
     train_step.trace = trace
     return train_step
+
+
+def _record_blocks(method: Method, state, specs, batch, mesh: Mesh, augment):
+    """remat.recording of the method's loss traced once on whole parameters (shapes only):
+    which split leaves of ``params`` and ``ema_params`` reach a rematerialised block
+    unchanged. None when nothing is split."""
+    trees = ("params", "ema_params")
+    if all(
+        parallel.sharded_dim(spec) is None
+        for name in trees
+        for spec in jax.tree.leaves(getattr(specs, name), is_leaf=lambda x: isinstance(x, P))
+    ):
+        return None
+    found = {}
+
+    def body(state, batch):
+        ids = {
+            id(leaf): (name, i)
+            for name in trees
+            for i, leaf in enumerate(jax.tree.leaves(getattr(state, name)))
+        }
+        if augment is not None:
+            batch = augment(batch)
+        rng = jax.random.fold_in(state.rng, state.step)
+        with remat.recording(ids) as found["recorder"]:
+            methods.loss(method, state.params, state, batch, rng)
+        return jnp.zeros(())
+
+    def shapes(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+    traced = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), state), P(DATA_AXIS)),
+        out_specs=P(),
+        check_vma=False,
+    )
+    jax.eval_shape(traced, shapes(state), shapes(batch))
+    return found["recorder"]
+
+
+def _marked(state, keys: set):
+    """A TrainState whose params and ema_params are trees of bools: the leaves in ``keys``."""
+    marks = {}
+    for name in ("params", "ema_params"):
+        tree = getattr(state, name)
+        leaves, treedef = jax.tree.flatten(tree)
+        marks[name] = jax.tree.unflatten(treedef, [(name, i) in keys for i in range(len(leaves))])
+    return state.replace(**marks)
 
 
 def stop_flags(mesh: Mesh, requested: bool) -> jax.Array:

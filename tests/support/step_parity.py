@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--sync_bn", type=int, default=1)
     p.add_argument("--shard_params", type=int, default=0, help="1: parallel.shard_params")
     p.add_argument("--shard_min_size", type=int, default=256, help="parallel.shard_min_size")
+    p.add_argument("--remat", default="none", help="model.remat (none, full, dots)")
     p.add_argument(
         "--accumulation_steps", type=int, default=1, help="optim.accumulation_steps of *_accum"
     )
@@ -122,6 +123,7 @@ def main() -> None:
         config.model.sync_bn = bool(args.sync_bn)
         config.parallel.shard_params = bool(args.shard_params)
         config.parallel.shard_min_size = args.shard_min_size  # 256: the tiny kernels split too
+        config.model.remat = args.remat
         if name.endswith("_accum"):
             config.optim.accumulation_steps = args.accumulation_steps
         method = methods.get(config, steps_per_epoch=4)

@@ -246,15 +246,17 @@ def test_split_checkpoint_continues_on_fewer_devices(tmp_path):
 
 @pytest.mark.slow
 def test_split_state_matches_the_replicated_one_for_every_method(tmp_path):
-    """Every method (and the ViT and LARC rows of PARITY) on 8 devices, the state split and
-    replicated: the same losses and parameters up to float rounding (the same arithmetic,
-    gathered and reduce-scattered instead of all-reduced)."""
+    """Every method (and the ViT and LARC rows of PARITY) on 8 devices, the state split with
+    every trunk block recomputed (each gathering its own split parameters) and replicated
+    without remat: the same losses and parameters up to float rounding (the same arithmetic,
+    gathered and reduce-scattered instead of all-reduced). The 4-device runs above split the
+    state without remat."""
     names = ",".join([*methods.METHODS, "dino_vit", "moco_larc"])
     out = {mode: tmp_path / f"{mode}.npz" for mode in ("replicated", "split")}
     procs = [
         subprocess.Popen(
             [sys.executable, SCRIPT, str(out[mode]), "--methods", names]
-            + list(SHARDED if mode == "split" else ()),
+            + list(SHARDED + ("--remat", "full") if mode == "split" else ()),
             env=_env(8),
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -265,7 +267,10 @@ def test_split_state_matches_the_replicated_one_for_every_method(tmp_path):
     _finish(procs, timeout=1800)
     replicated, split = (dict(np.load(path)) for path in out.values())
     for name in names.split(","):
-        np.testing.assert_allclose(split[f"{name}:loss"], replicated[f"{name}:loss"], rtol=1e-5)
+        # atol: SimSiam's loss (a negative cosine) passes near 0 (-0.0084, 3e-7 apart).
+        np.testing.assert_allclose(
+            split[f"{name}:loss"], replicated[f"{name}:loss"], rtol=1e-5, atol=1e-6
+        )
         for key in ("params", "ema", "state"):
             if f"{name}:{key}" in replicated:
                 error = _relative_error(replicated[f"{name}:{key}"], split[f"{name}:{key}"])

@@ -1,13 +1,15 @@
 """engine=verify (jssl.engines.verify) on MoCo's test preset with a one-block ViT: on 4 devices,
-heads without batch norm, the state split and 2 micro-batches pass against one device and
-across a save and restore; heads with per-device batch norm (model.sync_bn=False) fail with exit
-status 1 and the cause named; bad verify fields and several processes are refused.
+heads without batch norm, the state split, the block recomputed (gathering its own split
+parameters) and 2 micro-batches pass against one device and across a save and restore; heads
+with per-device batch norm (model.sync_bn=False) fail with exit status 1 and the cause named;
+bad verify fields and several processes are refused.
 
 Both 4-device runs share one subprocess (this file run as a script), so they pay for one start
 of Python, JAX and TensorFlow."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +38,7 @@ def _config(data_dir: str, case: str):
         config.parallel.shard_params = True
         config.parallel.shard_min_size = 1024  # every kernel split 4 ways
         config.optim.accumulation_steps = 2
+        m.remat = "full"  # the block gathers its split kernels itself (jssl.models.remat)
         config.verify.steps = 4
     else:
         assert case == "per_device_bn" and m.head_bn and not m.sync_bn
@@ -95,6 +98,10 @@ def test_split_state_and_micro_batches_match_one_device(reports):
     assert "resumed" not in rows[1] and rows[2]["loss"]["resumed"] is None
     assert [row["loss"]["resumed"] for row in rows[3:]] == losses[2:]
     assert "verify PASSED" in reports[1]
+    # The block's 4 kernels (qkv, projection, MLP) in the online and the momentum encoder
+    # reach it split; the patch embedding and the head's kernels are gathered before.
+    gathered = re.findall(r"gathered block by block \(model.remat\): (\d+) of (\d+)", reports[1])
+    assert gathered and all(int(n) == 8 < int(of) for n, of in gathered), gathered
 
 
 def test_per_device_batch_norm_fails_and_names_the_cause(reports):
