@@ -179,7 +179,6 @@ def make_train_step(
         """The jitted step for the state's layout: ``state_specs``, else all replicated."""
         nonlocal specs, sharded, jitted, recorder, own
         specs = jax.tree.map(lambda _: P(), state) if state_specs is None else state_specs
-        recorder = _record_blocks(method, state, specs, batch, mesh, augment)
         split = {
             (name, i)
             for name in ("params", "ema_params")
@@ -188,6 +187,7 @@ def make_train_step(
             )
             if parallel.sharded_dim(spec) is not None
         }
+        recorder = _record_blocks(method, state, batch, mesh, augment) if split else None
         keys = recorder.leaves() & split if recorder is not None else set()
         own = _marked(state, keys)
         if recorder is not None:
@@ -230,17 +230,10 @@ def make_train_step(
     return train_step
 
 
-def _record_blocks(method: Method, state, specs, batch, mesh: Mesh, augment):
+def _record_blocks(method: Method, state, batch, mesh: Mesh, augment):
     """remat.recording of the method's loss traced once on whole parameters (shapes only):
-    which split leaves of ``params`` and ``ema_params`` reach a rematerialised block
-    unchanged. None when nothing is split."""
+    which leaves of ``params`` and ``ema_params`` reach a rematerialised block unchanged."""
     trees = ("params", "ema_params")
-    if all(
-        parallel.sharded_dim(spec) is None
-        for name in trees
-        for spec in jax.tree.leaves(getattr(specs, name), is_leaf=lambda x: isinstance(x, P))
-    ):
-        return None
     found = {}
 
     def body(state, batch):
