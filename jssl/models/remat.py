@@ -77,8 +77,10 @@ class _Recorder:
     seen: dict[tuple, list] = dataclasses.field(default_factory=dict)
 
     def leaves(self) -> set:
-        """Keys of the state's leaves that only reach blocks unchanged, at block leaves of one
-        shape (two shapes at one block path: none of its leaves is left to the block)."""
+        """Keys of the state's leaves that reach blocks unchanged, at block leaves of one shape
+        (two shapes at one block path: none of its leaves is left to the block). A block's
+        parameters feed that block alone; a split one read elsewhere too would arrive there
+        split, and flax's shape check would stop the trace."""
         keys = set()
         for uses in self.seen.values():
             if len({shape for shape, _ in uses}) == 1:
