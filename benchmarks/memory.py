@@ -12,7 +12,8 @@ name: the split state against a replicated state / N plus the leaves left replic
 and accumulation's temporaries against the row before.
 
   python benchmarks/memory.py [--compiler cpu|h100] [--sync_collectives] [--devices 8]
-      [--method dino] [--preset vit_large] [--trunk vit_tiny] [--batch 64] [--no_results]
+      [--method dino] [--preset vit_large] [--trunk vit_tiny] [--batch 64] [--buffers 8]
+      [--no_results]
 
 ``--compiler cpu`` (the default) compiles for N host CPU devices (made by XLA_FLAGS before JAX
 starts). XLA's CPU pipeline drops the optimisation barriers that keep a recomputed block from
@@ -26,14 +27,19 @@ the rows. ``--sync_collectives`` compiles the collectives synchronous
 (``--xla_gpu_disable_async_collectives``): what the asynchronous gradient all-reduce, which
 overlaps the backward pass, costs in memory (jssl.models.remat says how remat keeps it small).
 Nothing is allocated: the state is abstract (``jssl.training.fresh.abstract_state``).
+``--buffers K`` prints each row's K largest allocations from XLA's buffer assignment (their sizes
+and the shapes of the values that share them), to find what a row's temporaries hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -86,6 +92,22 @@ def _compile_only_devices(compiler: str, count: int) -> list:
     return list(topology.devices)
 
 
+def _print_largest(dump: str, count: int) -> None:
+    """The ``count`` largest allocations of the newest step XLA compiled into ``dump``."""
+    reports = glob.glob(os.path.join(dump, "*jit_step*memory-usage-report.txt"))
+    if not reports:
+        print(f"  (XLA wrote no memory-usage report to {dump})")
+        return
+    newest = max(reports, key=os.path.getmtime)
+    with open(newest) as f:
+        lines = [line.rstrip() for line in f if re.match(r"\s*[\d.]+[KMG]?i?B\(", line)]
+    os.remove(newest)  # the next row's report is then the newest
+    # Each line, largest first: cumulative size; size; offset; values sharing it; their shapes.
+    for line in lines[:count]:
+        fields = [field.strip() for field in line.split(";")]
+        print(f"  {fields[1]:>10}  {fields[4][:200]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -103,6 +125,9 @@ def main() -> None:
     p.add_argument("--trunk", default="", help="model.trunk ('': the preset's)")
     p.add_argument("--patch_size", type=int, default=0, help="0: the preset's")
     p.add_argument("--batch", type=int, default=0, help="global batch (0: the preset's)")
+    p.add_argument(
+        "--buffers", type=int, default=0, help="print each row's K largest XLA allocations"
+    )
     results.add_flags(p)
     args = p.parse_args()
     # The step is compiled, never run: LLVM's optimisation level changes the machine code, not
@@ -119,6 +144,11 @@ def main() -> None:
             else ""
         )
     )
+    dump = tempfile.mkdtemp(prefix="memory-") if args.buffers else None
+    if dump:  # XLA writes each compiled step's buffer assignment there
+        os.environ["XLA_FLAGS"] += (
+            f" --xla_dump_to={dump} --xla_dump_hlo_module_re=jit_step --xla_dump_hlo_pass_re=NONE"
+        )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the GPU target needs no GPU backend
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
 
@@ -177,7 +207,11 @@ def main() -> None:
             }
         )
         print(rows[-1], flush=True)
+        if dump:
+            _print_largest(dump, args.buffers)
 
+    if dump:
+        shutil.rmtree(dump, ignore_errors=True)
     replicated, split = rows[0], rows[1]
     target = replicated["state GiB/device"] / args.devices + split["replicated leaves GiB"]
     headline = [
