@@ -120,7 +120,7 @@ def _seer(c: ml_collections.ConfigDict) -> None:
 
 def _demo(c: ml_collections.ConfigDict) -> None:
     """The demo data and network every method's demo uses; SwAV's multi-crop at demo sizes
-    (2x32 + 2x16 px, 3 epochs: 4-6 minutes), 30 prototypes, epsilon 0.02 (with ImageNet's
+    (2x32 + 2x16 px, 3 epochs: 3-4 minutes on 2 cores), 30 prototypes, epsilon 0.02 (with ImageNet's
     0.05, the demo's small crops and strong colour distortion the codes collapse to uniform)
     and temperature 0.3 (VISSL: 0.1). At 0.1 the views' codes disagree under the colour
     distortion, the confidently wrong predictions make uniform ones the quickest way down, and
