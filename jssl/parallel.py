@@ -6,7 +6,7 @@ sharded on the ``data`` axis. Methods that need named collectives (MoCo's gather
 batch-norm statistics) run their per-replica code inside ``jax.shard_map`` over that axis.
 With ``parallel.shard_params`` the large arrays of the state are split over the same axis
 (ZeRO-3 / FSDP): ``leaf_spec`` is the rule, ``gather`` and ``mean_to_shards`` the step's
-collectives.
+collectives. ``after`` orders collectives that nothing else orders (XLA's CPU runtime).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
@@ -119,6 +120,25 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh named ``data`` over ``devices``, by default every device of every process
     (the verify engine's reference passes one device)."""
     return Mesh(np.asarray(jax.devices() if devices is None else list(devices)), (DATA_AXIS,))
+
+
+def after(tree: Any, *deps: Any) -> Any:
+    """``tree`` unchanged, but computed only once every leaf of ``deps`` is: a data dependency
+    XLA keeps (a select on a comparison that never holds), where none exists.
+
+    Every device must enter a step's collectives in one order. On GPUs and TPUs they run in the
+    compiled order; XLA's CPU runtime runs whatever the data allow in parallel and keeps only
+    the collectives of one computation in order, not one inside a loop or a conditional
+    against those beside it (Sinkhorn's loop, accumulation's, a conditional update). Two
+    devices could then take them in opposite orders and wait for each other until the
+    rendezvous aborts; ``after`` puts them in one order (tests/training/test_collective_order.py
+    reads the compiled steps). ``optimization_barrier`` does not: XLA's CPU pipeline drops it.
+    """
+    never = jnp.zeros((), bool)
+    for leaf in jax.tree.leaves(deps):
+        # The whole leaf: of one element XLA would see which parts of a stack it comes from.
+        never = never | (jnp.sum(leaf.astype(jnp.float32)) > jnp.inf)
+    return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x), tree)
 
 
 def data_sharding(mesh: Mesh) -> NamedSharding:

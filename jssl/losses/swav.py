@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jssl import parallel
 from jssl.losses._util import (
     _global_logsumexp,
     _precision,
@@ -201,6 +202,8 @@ def swav_crop_losses(
     per_crop, entropy, agree = [], [], []
     for i, crop in enumerate(crops_for_assign):
         crop_scores, mask = scores[crop], None
+        if per_crop:  # one Sinkhorn loop after the other (parallel.after)
+            crop_scores = parallel.after(crop_scores, per_crop[-1])
         if queue_scores is not None:
             queued = queue_scores[i].astype(scores.dtype)
             crop_scores = jnp.concatenate([crop_scores, queued])

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jssl import data, losses, models
+from jssl import data, losses, models, parallel
 from jssl.methods import Forward, Method, Objective, common
 from jssl.parallel import DATA_AXIS
 
@@ -112,6 +112,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             bank = memory["bank"][h % num_banks]
             head_key = jax.random.fold_in(key, h)
             start = losses.initial_centroids(head_key, bank, k, written)
+            if assignments:  # one head's k-means loop after the other's (parallel.after)
+                start = parallel.after(start, assignments[-1])
             new, assigned, sizes = losses.kmeans(bank, start, kmeans_iters, written, shards=shards)
             centroids[f"head{h}"] = new
             assignments.append(assigned)

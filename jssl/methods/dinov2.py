@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from jssl import losses
+from jssl import losses, parallel
 from jssl.methods import Forward, Method, Objective, common, dino, ibot, masking
 from jssl.models.heads import ClsPatchHeads, DINOHead
 from jssl.parallel import DATA_AXIS
@@ -137,8 +137,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             targets = losses.sinkhorn_centering(teacher, temperature, None, iters, DATA_AXIS)
             # Sinkhorn's targets into DINO's loss: logits log q at centre 0, temperature 1.
             cls_args = (losses.as_teacher_logits(targets), 0.0, mcfg.student_temp, 1.0)
+            # The two Sinkhorn loops, then KoLeo's gathers, in one order (parallel.after).
             patch_targets = losses.sinkhorn_centering(
-                teacher_patch, temperature, mask > 0, iters, DATA_AXIS
+                parallel.after(teacher_patch, targets), temperature, mask > 0, iters, DATA_AXIS
             )
         else:
             center, patch_center = state.method_state["center"], state.method_state["patch_center"]
@@ -156,7 +157,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         group = int(mcfg.koleo_group_size)
         koleo = [
-            losses.koleo_losses(tokens, group, DATA_AXIS) for tokens in embeddings["cls_tokens"]
+            losses.koleo_losses(parallel.after(tokens, patch_targets), group, DATA_AXIS)
+            for tokens in embeddings["cls_tokens"]
         ]
         crops = range(teacher_crops)
         values = [per_teacher[t] for t in crops] + [per_crop[t] for t in crops] + koleo

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jssl import losses, models
+from jssl import losses, models, parallel
 from jssl.methods import Forward, Method, Objective, common
 from jssl.models.resnet import torch_linear_kernel_init
 from jssl.parallel import DATA_AXIS
@@ -189,6 +189,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         hard = (state.step < mcfg.hard_assignment_iters) if train else False
         per_crop, metrics = 0.0, {}
         for i, set_scores in enumerate(scores):
+            if i:  # one prototype set's Sinkhorn loops after the other's (parallel.after)
+                set_scores = parallel.after(set_scores, per_crop)
             set_per_crop, set_metrics = losses.swav_crop_losses(
                 set_scores,
                 crops_for_assign=assign,
@@ -213,7 +215,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         if use_queue:
             metrics["queue_on"] = on.astype(jnp.float32)
             # Every replica enqueues the assignment crops of the global batch: (A, N, d).
-            new = embeddings["assigned"]
+            new = parallel.after(embeddings["assigned"], per_crop)  # after the Sinkhorn loops
             carry = {"queue": jax.lax.all_gather(new, DATA_AXIS, axis=1, tiled=True)}
         # Each assignment crop's loss, averaged over the prototype sets (VISSL SwAVLoss.forward).
         per_crop = per_crop / len(scores)

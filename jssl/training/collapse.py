@@ -80,7 +80,8 @@ def step_statistics(
 ) -> dict[str, jax.Array]:
     """The step's statistics of ``outputs`` (``{name: (n, ...) local rows or None}``) over the
     global batch, computed only where ``on`` (the same on every replica; zeros elsewhere),
-    and the sizes they are measured against. Runs per replica, inside ``shard_map``."""
+    and the sizes they are measured against. Runs per replica, inside ``shard_map``; with
+    ``axis_name`` None, ``outputs`` are the global batch's rows (gathered by the caller)."""
     present = {k: v.reshape(v.shape[0], -1) for k, v in outputs.items() if v is not None}
     replicas = 1 if axis_name is None else jax.lax.psum(1, axis_name)
     names = [f"{PREFIX}{k}_{stat}" for k in present for stat in ("rank", "std")]

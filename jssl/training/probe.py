@@ -52,7 +52,8 @@ def update(
     labels: jax.Array,
     axis_name: str,
 ) -> tuple[dict, dict[str, jax.Array]]:
-    """One probe step on this replica's features; gradients averaged over ``axis_name``."""
+    """One probe step on this replica's features; gradients averaged over ``axis_name``, the
+    metrics this replica's (the train step averages them with its own)."""
     features = jax.lax.stop_gradient(features.reshape(features.shape[0], -1))
 
     def loss_fn(params):
@@ -68,7 +69,7 @@ def update(
         "probe/train_top1": jnp.mean((jnp.argmax(out, -1) == labels).astype(jnp.float32)) * 100,
     }
     new = {"params": optax.apply_updates(probe["params"], updates), "opt_state": opt_state}
-    return new, jax.lax.pmean(metrics, axis_name)
+    return new, metrics
 
 
 def accuracy(params: dict, features: np.ndarray, labels: np.ndarray) -> dict[str, float]:
