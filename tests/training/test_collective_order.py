@@ -74,9 +74,12 @@ CASES = (
     ("swav", "swav", "test", {}),
     ("dinov2", "dinov2", "test", {}),
     ("deepclusterv2", "deepclusterv2", "test", {}),
-    ("dino_statistics", "dino", "test_vit", {}),
-    ("simclr_probe_statistics", "simclr", "test", {"probe.num_classes": 10}),
-    ("moco_accumulation", "moco", "test", {"optim.accumulation_steps": 2}),
+    (
+        "moco_accumulation_probe",
+        "moco",
+        "test",
+        {"optim.accumulation_steps": 2, "probe.num_classes": 10},
+    ),
     (
         "simclr_split_state_lars",
         "simclr",
