@@ -126,7 +126,9 @@ def make_train_step(
             checked = (*checked, probe_metrics["probe/loss"])
         # A split gradient's part is checked on every device: one non-finite part flags all.
         # The flag waits for the batch statistics and the carry too (see _reduce_last).
-        finite = parallel.after(all_finite(checked), batch_stats, out.carry)
+        finite = all_finite(checked)
+        if replicas > 1:
+            finite = parallel.after(finite, batch_stats, out.carry)
         loss, metrics, finite, metrics["stop"], rows = _reduce_last(
             loss, metrics, finite, stop, replicas, rows
         )
