@@ -6,9 +6,10 @@ state, one ``shard_map`` over the same mesh (the methods' losses use named colle
 bare step keeps the map), one ``jax.jit`` with the state donated. Left out: the ``pmean`` of the
 gradients, the mean of the batch statistics over devices, the non-finite guard (its check and its
 ``cond``), the step's last all-reduce (loss, metrics, finite and stop flags), the learning-rate
-metric and the online probe. On one device the two compute the same update; the difference is what jssl adds to the
-compile time, the step time and the memory of each method (benchmarks/plain_step.py is MoCo's
-step written directly against flax/optax, without jssl's ``Method``).
+metric and the online probe. On one device the two compute the same update; the difference is
+what jssl adds to the compile time, the step time and the memory of each method
+(benchmarks/plain_step.py is MoCo's step written directly against flax/optax, without jssl's
+``Method``).
 """
 
 from __future__ import annotations
