@@ -16,8 +16,11 @@ splits them; ``after_update`` runs after it on the global arrays, with no collec
   network, momentum encoder or teacher under stop-gradient, shuffle-BN, predictor).
 - ``objective(embeddings, state, batch, train) -> Objective``: the loss terms, UNWEIGHTED and
   per example, from the forward's embeddings, the state (queue, centre, step) and the batch
-  without its images (labels). It applies no model, so it runs on any embeddings of the
-  forward's layout (made by hand, or gathered from micro-batches).
+  without its images (labels). It applies no network but what it reads from ``state.params``,
+  which are the parameters being differentiated (DINO's last layer, 256 -> 65536, runs there,
+  so that exact accumulation keeps each crop's 256-d bottleneck and not its logits), so it
+  runs on any embeddings of the forward's layout (made by hand, or gathered from
+  micro-batches).
 - ``after_update(state, carry) -> state``: EMA teachers, queues, prototype normalisation,
   elementwise or on whole leaves (XLA partitions it like the state). The carry must be the same
   on every device: keys gathered over the data axis, statistics averaged over it.
@@ -245,6 +248,8 @@ def loss(
     embeddings; what the train step differentiates w.r.t. ``params``."""
     out = method.forward(params, state, batch, rng, train)
     check_forward(method, out, batch["crops"][0].shape[0])
+    # The objective sees the differentiated parameters (a last layer it applies learns).
+    state = state.replace(params=params)
     value, weighted = objective_loss(method, out.embeddings, state, batch, train)
     return value, weighted._replace(
         batch_stats=out.batch_stats,

@@ -51,6 +51,10 @@ mode uses the running statistics of each network.
 
 The head (``jssl.models.heads.DINOHead``) goes on whatever trunk ``models.build_model``
 builds from ``config.model`` (with ``model.head_dims=()``), so a ViT trunk takes it as is.
+The forward stops at the head's normalised bottleneck; the objective applies its last layer
+(the student's, learning, and the teacher's EMA one), so the embeddings per crop are 256 wide,
+not 65536: exact accumulation keeps them and their gradient for the whole batch
+(jssl.training.accumulation; DINO ViT-L/16 at batch 1024 on 8 devices, 768 MiB per device).
 
 Deliberate differences from VISSL / DINO:
 - The temperature warmup is per step as in VISSL (DINO's repository steps it per epoch);
@@ -75,7 +79,7 @@ import numpy as np
 
 from jssl import losses, models
 from jssl.methods import Forward, Method, Objective, common
-from jssl.models.heads import DINOHead
+from jssl.models.heads import DINOHead, dino_last_layer
 from jssl.parallel import DATA_AXIS
 
 LAST_LAYER = "head/last_layer"
@@ -113,9 +117,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     )
     # The trunk (and its taps) of models.build_model, DINO's head in place of the MLP head.
     model = models.build_model(config.model, bn_axis_name=bn_axis).clone(head=head)
+    # The forward's networks stop at the bottleneck (the objective applies the last layer).
     # DINO builds its teacher without stochastic depth (main_dino.py: only the student gets
     # drop_path_rate), so the teacher's forward is the same network with none.
-    teacher_model = common.without_drop_path(model)
+    student_model = model.clone(head=head.clone(last_layer=False))
+    teacher_model = common.without_drop_path(student_model)
     teacher_crops = int(mcfg.teacher_crops)
     # Without the epoch length (evaluation engines) the schedules read as finished.
     spe = steps_per_epoch or 0
@@ -156,9 +162,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         count = common.num_crops(batch)
         # The student's drop path, keyed by (step, crop, example index).
         out, batch_stats = common.forward_crops(
-            model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
+            student_model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
         )
-        student = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, K)
+        student = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, 256)
         teacher_out, ema_batch_stats = common.forward_crops(
             teacher_model,
             state.ema_params,
@@ -170,6 +176,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             common.split_crops(teacher_out["head"].astype(jnp.float32), teacher_crops)
         )
         return Forward(
+            # The normalised bottlenecks, (C, n, bottleneck_dim) and (T, n, bottleneck_dim).
             embeddings={"student": student, "teacher": teacher},
             features=out["avgpool"][: student.shape[1]],
             batch_stats=batch_stats,
@@ -177,11 +184,15 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             carry={"ema_batch_stats": common.mean_over_devices(ema_batch_stats)},
         )
 
+    def logits(params, bottleneck):
+        last = params["head"]["last_layer"]
+        return dino_last_layer(last, bottleneck, int(mcfg.out_dim), bool(mcfg.norm_last_layer))
+
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
-        teacher = embeddings["teacher"]
+        teacher = jax.lax.stop_gradient(logits(state.ema_params, embeddings["teacher"]))
         temperature = teacher_temp_at(state.step)
         per_teacher, metrics = losses.dino_teacher_crop_losses(
-            embeddings["student"],
+            logits(state.params, embeddings["student"]),
             teacher,
             state.method_state["center"],
             mcfg.student_temp,

@@ -119,7 +119,10 @@ class DINOHead(nn.Module):
     input. With ``patch_out_dim`` > 0 it gets its own weight-normalised last layer
     (``last_layer2``, iBOT ``shared_head=False``) after the shared MLP; with 0 the patch tokens
     go through ``last_layer`` as the class token does (``shared_head=True``). Initialise with
-    both calls so that ``last_layer2`` exists."""
+    both calls so that ``last_layer2`` exists.
+
+    ``last_layer=False`` stops at the normalised bottleneck: the caller applies ``last_layer``
+    (:func:`dino_last_layer`; DINO's objective does, jssl.methods.dino)."""
 
     out_dim: int
     hidden_dim: int = 2048
@@ -130,6 +133,7 @@ class DINOHead(nn.Module):
     dtype: Any = jnp.float32
     bn_axis_name: str | None = None
     patch_out_dim: int = 0  # > 0: patch tokens get their own last layer of this width
+    last_layer: bool = True  # False: the normalised bottleneck
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = True, patches: bool = False) -> jax.Array:
@@ -160,6 +164,8 @@ class DINOHead(nn.Module):
                 x = nn.gelu(x, approximate=False)  # PyTorch nn.GELU: the exact erf form
         x = x.astype(jnp.float32)
         x = x / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True)), 1e-12)
+        if not self.last_layer:
+            return x
         if patches and self.patch_out_dim > 0:
             last = WeightNormDense(
                 self.patch_out_dim, fixed_norm=self.norm_last_layer, name="last_layer2"
@@ -167,6 +173,14 @@ class DINOHead(nn.Module):
         else:
             last = WeightNormDense(self.out_dim, fixed_norm=self.norm_last_layer, name="last_layer")
         return last(x)
+
+
+def dino_last_layer(params: Any, x: jax.Array, out_dim: int, fixed_norm: bool) -> jax.Array:
+    """``DINOHead``'s ``last_layer`` with its parameters ``params`` (the head's
+    ``last_layer`` subtree) on bottleneck rows ``x``: what the head with ``last_layer=False``
+    leaves out."""
+    layer = WeightNormDense(out_dim, fixed_norm=fixed_norm)
+    return layer.apply({"params": params}, x)
 
 
 class ClsPatchHeads(nn.Module):

@@ -10,7 +10,8 @@ Memory Limited Setup"):
 
 1. every micro-batch is embedded with the forward, keeping no activations (``lax.map``);
 2. the objective runs once on the embeddings of the whole local batch (so across devices on
-   the whole global batch), and gives the loss and its gradient with respect to them;
+   the whole global batch), and gives the loss and its gradient with respect to them (and to
+   the parameters it applies itself, DINO's last layer: the sum starts from that gradient);
 3. each micro-batch is forwarded again and back-propagated with its slice of that gradient
    (``lax.scan``: one micro-batch's activations at a time), and the parameter gradients add up.
 
@@ -66,10 +67,12 @@ def value_and_grad(
     forwards = jax.lax.map(embed, micro)  # every leaf (steps, ...)
     embeddings = jax.tree.map(_join_crops, forwards.embeddings)
 
-    def objective(embeddings):
-        return methods.objective_loss(method, embeddings, state, batch, True)
+    def objective(embeddings, params):
+        return methods.objective_loss(method, embeddings, state.replace(params=params), batch, True)
 
-    (value, weighted), cotangent = jax.value_and_grad(objective, has_aux=True)(embeddings)
+    (value, weighted), (cotangent, objective_grads) = jax.value_and_grad(
+        objective, argnums=(0, 1), has_aux=True
+    )(embeddings, params)
     micro_cotangents = jax.tree.map(lambda g: _split_crops(g, steps), cotangent)
 
     def backward(grads, xs):
@@ -82,8 +85,7 @@ def value_and_grad(
         (micro_grads,) = pullback(micro_cotangent)
         return jax.tree.map(jnp.add, grads, micro_grads), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, _ = jax.lax.scan(backward, zeros, (micro, micro_cotangents))
+    grads, _ = jax.lax.scan(backward, objective_grads, (micro, micro_cotangents))
 
     mean = lambda tree: jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)  # noqa: E731
     out = weighted._replace(

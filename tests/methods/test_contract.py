@@ -12,9 +12,9 @@ end to end with a test phase: test_contract_runs.py.
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,9 +275,17 @@ def _toy_method(forward=None, objective=None) -> Method:
     )
 
 
+@flax.struct.dataclass
+class _ToyState:
+    """The fields of a train state that the step's composition reads."""
+
+    step: jax.Array
+    params: Any = None
+
+
 def _toy_inputs():
     batch = {"crops": (jnp.arange(4 * 2 * 2 * 2 * 3, dtype=jnp.float32).reshape(4, 2, 2, 2, 3),)}
-    return {"w": jnp.float32(0.5)}, SimpleNamespace(step=jnp.int32(0)), batch
+    return {"w": jnp.float32(0.5)}, _ToyState(step=jnp.int32(0)), batch
 
 
 def test_the_step_weighs_the_objectives_terms():
