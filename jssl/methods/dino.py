@@ -164,7 +164,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         out, batch_stats = common.forward_crops(
             student_model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
         )
-        student = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, 256)
+        student = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, bottleneck)
         teacher_out, ema_batch_stats = common.forward_crops(
             teacher_model,
             state.ema_params,
