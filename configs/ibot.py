@@ -38,6 +38,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     m.bottleneck_dim = 256
     m.num_layers = 3
     m.norm_last_layer = False
+    m.use_bn_in_head = False  # --norm_in_head None ('bn': BN, made SyncBN by main_ibot.py)
     m.shared_head = True
     m.shared_head_teacher = True
     # iBOTLoss: student 0.1; teacher 0.04 -> 0.07 over 30 epochs for [CLS] (--teacher_temp

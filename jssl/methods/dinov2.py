@@ -112,7 +112,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
         views = ibot.split_views(batch, teacher_crops)
         masks, slots, valid = ibot.draw_masks(spec, views, patch_size, rng, batch["index"], True)
-        student = ibot.apply_student(model, params, views, masks, slots, rng, batch["index"], train)
+        student, _ = ibot.apply_student(
+            model, params, {}, views, masks, slots, rng, batch["index"], train
+        )
         out = teacher.apply(
             {"params": state.ema_params},
             views.globals_,
@@ -223,6 +225,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     dino.check_config(config)
     ibot.check_vit(config)
     m = config.method
+    if m.get("use_bn_in_head", False):
+        raise ValueError(
+            "method.use_bn_in_head=True: DINOv2's heads have no batch norm (its recipes never "
+            "set one; iBOT's --norm_in_head is configs/ibot.py's); set it False."
+        )
     if m.centering not in CENTERINGS:
         raise ValueError(
             f"method.centering={m.centering!r}: use 'sinkhorn_knopp' (DINOv2's ViT-L/14 and "

@@ -21,7 +21,8 @@ layer (``last_layer2``, ``patch_out_dim``) unless ``shared_head``; the teacher s
 layer for both unless ``shared_head_teacher=False`` (iBOT's defaults: student separate,
 teacher shared, which needs ``patch_out_dim == out_dim``). The student's patch head runs on the
 masked places only (a fixed number per crop, ``masking.max_masked``): the loss is the same as
-iBOT's head on every patch.
+iBOT's head on every patch. ``use_bn_in_head``: batch norm between the MLP's layers (iBOT's
+``--norm_in_head bn``; its batches: docs/methods.md).
 
 Loss terms: ``cls_crop<t>`` (family ``cls``, iBOT's ``lambda1``: ``loss.weights.cls``) per
 teacher crop as DINO's, and ``patch_crop<t>`` (family ``patch``, ``lambda2``) per global crop,
@@ -75,8 +76,10 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         hidden_dim=int(mcfg.hidden_dim),
         bottleneck_dim=int(mcfg.bottleneck_dim),
         num_layers=int(mcfg.num_layers),
+        use_bn=bool(mcfg.use_bn_in_head),
         norm_last_layer=bool(mcfg.norm_last_layer),
         dtype=dtype,
+        bn_axis_name=DATA_AXIS if config.model.sync_bn else None,
         patch_out_dim=0 if mcfg.shared_head else int(mcfg.patch_out_dim),
     )
     model = student_model(config, head)
@@ -106,12 +109,13 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         return common.cosine_momentum(step, total_steps, mcfg.teacher_momentum)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
-        params = init_params(model, rng, images)
+        variables = model.init(rng, images, method=_init_both_paths)
+        params, batch_stats = variables["params"], variables.get("batch_stats", {})
         return dict(
             params=params,
-            batch_stats={},
+            batch_stats=batch_stats,
             ema_params=jax.tree.map(jnp.copy, params),
-            ema_batch_stats={},
+            ema_batch_stats=jax.tree.map(jnp.copy, batch_stats),
             method_state={
                 "center": jnp.zeros((int(mcfg.out_dim),), jnp.float32),
                 "patch_center": jnp.zeros((teacher_patch_dim(config),), jnp.float32),
@@ -123,9 +127,14 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         masks, slots, valid = draw_masks(
             spec, views, patch_size, rng, batch["index"], state.step >= start
         )
-        student = apply_student(model, params, views, masks, slots, rng, batch["index"], train)
-        out = teacher.apply(
-            {"params": state.ema_params},
+        student, batch_stats = apply_student(
+            model, params, state.batch_stats, views, masks, slots, rng, batch["index"], train
+        )
+        # A teacher head's batch norm normalises with its batch's statistics (as DINO's).
+        out, ema_batch_stats = _apply(
+            teacher,
+            {"params": state.ema_params, "batch_stats": state.ema_batch_stats},
+            train,
             views.globals_,
             slots.reshape(-1, slots.shape[-1]),
             train,
@@ -136,7 +145,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         return Forward(
             embeddings=dict(embeddings, teacher_patch_mean=jax.lax.stop_gradient(mean)),
             features=student["features"],
-            batch_stats={},
+            batch_stats=batch_stats,
+            carry={"ema_batch_stats": common.mean_over_devices(ema_batch_stats)},
         )
 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
@@ -192,6 +202,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         }
         return state.replace(
             ema_params=common.ema(state.params, state.ema_params, momentum),
+            ema_batch_stats=carry["ema_batch_stats"],
             method_state=method_state,
         )
 
@@ -300,17 +311,22 @@ def distillation_embeddings(student: dict, teacher: dict, valid, teacher_crops: 
     }
 
 
-def apply_student(model, params, views: Views, masks, slots, rng, index, train: bool) -> dict:
-    """The student on every crop (the global ones masked): ``cls`` (C, n, K) head outputs of
-    every crop, ``patch`` (T, n, slots, K') at the masked places, ``cls_tokens`` (T, n, D) the
-    global crops' normed class tokens, ``features`` (n, D) crop 0's, without gradient."""
+def apply_student(
+    model, params, batch_stats, views: Views, masks, slots, rng, index, train: bool
+) -> tuple[dict, Any]:
+    """The student on every crop (the global ones masked) and its new ``batch_stats``: ``cls``
+    (C, n, K) head outputs of every crop, ``patch`` (T, n, slots, K') at the masked places,
+    ``cls_tokens`` (T, n, D) the global crops' normed class tokens, ``features`` (n, D) crop
+    0's, without gradient."""
     n = index.shape[0]
     crops = views.globals_.shape[0] // n + sum(x.shape[0] for x in views.locals_) // n
     keys = None
     if train and common.uses_drop_path(model):
         keys = common.drop_path_keys(rng, index, crops)
-    out = model.apply(
-        {"params": params},
+    out, batch_stats = _apply(
+        model,
+        {"params": params, "batch_stats": batch_stats},
+        train,
         views.globals_,
         views.locals_,
         masks,
@@ -326,7 +342,15 @@ def apply_student(model, params, views: Views, masks, slots, rng, index, train: 
         patch=common.split_crops(out["patch"].astype(jnp.float32), t),
         cls_tokens=cls_tokens,
         features=jax.lax.stop_gradient(cls_tokens[0]),
-    )
+    ), batch_stats
+
+
+def _apply(model, variables, train: bool, *args, **kwargs) -> tuple[Any, Any]:
+    """``model.apply``: ``(output, batch_stats)``, the statistics updated in train mode."""
+    if not train:
+        return model.apply(variables, *args, **kwargs), variables["batch_stats"]
+    out, mutated = model.apply(variables, *args, mutable=["batch_stats"], **kwargs)
+    return out, mutated.get("batch_stats", {})
 
 
 def _student(module, globals_, locals_, mask, slots, keys, train):

@@ -50,16 +50,11 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 def check_vit(config: ml_collections.ConfigDict) -> None:
-    """A masked-image method needs a ViT (a mask token, patch tokens) and no BN in its head."""
+    """A masked-image method needs a ViT (a mask token, patch tokens)."""
     name = config.method.name
     if not models.is_vit(config.model):
         raise ValueError(
             f"model.trunk={config.model.trunk!r}: method {name!r} replaces masked patches by a "
             "mask token and distils patch tokens, so it needs a ViT trunk, e.g. "
             "--config.model.trunk=vit_small."
-        )
-    if config.method.get("use_bn_in_head", False):
-        raise ValueError(
-            f"method.use_bn_in_head=True: method {name!r} runs its head on class and patch "
-            "tokens apart and has no batch norm (DINOv2 refuses it too); set it False."
         )

@@ -63,6 +63,7 @@ ROWS = {
 # The contract's cases: every method's "test" preset, and the ViT variants.
 CASES = {name: (name, {}) for name in methods.METHODS}
 CASES["dino_vit"] = ("dino", {"preset": "test_vit"})
+CASES["ibot_bn"] = ("ibot", {"method.use_bn_in_head": True})  # iBOT's --norm_in_head bn
 CASES["mocov3_vit"] = (
     "mocov3",
     {

@@ -93,6 +93,8 @@ class _State(NamedTuple):
     params: Any = None
     ema_params: Any = None
     method_state: Any = None
+    batch_stats: Any = {}  # noqa: RUF012 (never mutated)
+    ema_batch_stats: Any = {}  # noqa: RUF012
 
 
 def _objective_under_axis(method, embeddings, state):
@@ -145,3 +147,37 @@ def test_forward_masks_the_student_from_pred_start_epoch_and_the_objectives_term
         np.asarray(e["teacher_patch_mean"]).mean((0, 1)),
         rtol=1e-5,
     )
+
+
+def test_batch_norm_in_the_head_normalises_each_batch_and_updates_both_statistics():
+    """``use_bn_in_head`` (iBOT's ``--norm_in_head bn``): BN between the MLP's layers of the
+    student's and the teacher's head, each in train mode with its batch's statistics, the
+    student's running statistics in the forward's ``batch_stats``, the teacher's in its carry."""
+    config = ibot.get_config("test")
+    config.method.use_bn_in_head = True
+    config.model.drop_path_rate = 0.0
+    method = methods.get(config, steps_per_epoch=4)
+    init = jax.jit(method.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+    stats = init["batch_stats"]
+    assert set(stats) == {"head"} and set(stats["head"]) == {"bn0", "bn1"}
+    params = init["params"]
+    state = _State(jnp.int32(2), params, params, None, stats, init["ema_batch_stats"])
+    batch = data.synthetic_batch(config.data, 6, seed=0)
+    batch = jax.tree.map(jnp.asarray, {k: batch[k] for k in ("crops", "index")})
+
+    @jax.jit
+    def forward(batch):  # one replica under the data axis (the carry's mean over devices)
+        run = lambda b: method.forward(params, state, b, jax.random.key(5))  # noqa: E731
+        batched = jax.tree.map(lambda x: x[None], batch)
+        return jax.tree.map(lambda x: x[0], jax.vmap(run, axis_name=DATA_AXIS)(batched))
+
+    out = forward(batch)
+    for new in (out.batch_stats, out.carry["ema_batch_stats"]):
+        assert jax.tree.structure(new) == jax.tree.structure(stats)
+        # PyTorch's momentum 0.1 from the initial zero means: a tenth of the batch's means.
+        assert float(jnp.abs(new["head"]["bn0"]["mean"]).max()) > 0
+    # Batch statistics: image 0's outputs move when only the other images change.
+    other = dict(batch, crops=[x.at[1:].set(x[1:][::-1] * 0.5) for x in batch["crops"]])
+    changed = forward(other).embeddings
+    for name in ("student", "teacher"):
+        assert not np.allclose(changed[name][:, 0], out.embeddings[name][:, 0], atol=1e-4)
