@@ -41,11 +41,17 @@ def apply_model(
     variables = {"params": params, "batch_stats": batch_stats}
     if train and row_keys is not None and uses_drop_path(model):
         trunk_kwargs = dict(trunk_kwargs, row_keys=row_keys)
+    return apply_variables(model, variables, train, images, train=train, **trunk_kwargs)
+
+
+def apply_variables(
+    model: Any, variables: dict, train: bool, /, *args, **kwargs
+) -> tuple[Any, Any]:
+    """``model.apply(variables, *args, **kwargs)`` and the new ``batch_stats``: updated in
+    train mode, ``variables["batch_stats"]`` unchanged in eval mode."""
     if not train:
-        return model.apply(variables, images, train=False, **trunk_kwargs), batch_stats
-    out, mutated = model.apply(
-        variables, images, train=True, mutable=["batch_stats"], **trunk_kwargs
-    )
+        return model.apply(variables, *args, **kwargs), variables["batch_stats"]
+    out, mutated = model.apply(variables, *args, mutable=["batch_stats"], **kwargs)
     return out, mutated.get("batch_stats", {})
 
 

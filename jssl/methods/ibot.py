@@ -131,7 +131,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             model, params, state.batch_stats, views, masks, slots, rng, batch["index"], train
         )
         # A teacher head's batch norm normalises with its batch's statistics (as DINO's).
-        out, ema_batch_stats = _apply(
+        out, ema_batch_stats = common.apply_variables(
             teacher,
             {"params": state.ema_params, "batch_stats": state.ema_batch_stats},
             train,
@@ -323,7 +323,7 @@ def apply_student(
     keys = None
     if train and common.uses_drop_path(model):
         keys = common.drop_path_keys(rng, index, crops)
-    out, batch_stats = _apply(
+    out, batch_stats = common.apply_variables(
         model,
         {"params": params, "batch_stats": batch_stats},
         train,
@@ -343,14 +343,6 @@ def apply_student(
         cls_tokens=cls_tokens,
         features=jax.lax.stop_gradient(cls_tokens[0]),
     ), batch_stats
-
-
-def _apply(model, variables, train: bool, *args, **kwargs) -> tuple[Any, Any]:
-    """``model.apply``: ``(output, batch_stats)``, the statistics updated in train mode."""
-    if not train:
-        return model.apply(variables, *args, **kwargs), variables["batch_stats"]
-    out, mutated = model.apply(variables, *args, mutable=["batch_stats"], **kwargs)
-    return out, mutated.get("batch_stats", {})
 
 
 def _student(module, globals_, locals_, mask, slots, keys, train):
