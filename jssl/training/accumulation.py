@@ -73,6 +73,13 @@ def value_and_grad(
     (value, weighted), (cotangent, objective_grads) = jax.value_and_grad(
         objective, argnums=(0, 1), has_aux=True
     )(embeddings, params)
+    # The objective's loss value and metrics before the first micro-batch: nothing below needs
+    # them, and XLA computed DINO's cross-entropy after the backward passes, keeping its
+    # (crops, n, 65536) logits alive through them (benchmarks/memory.py: 16% of the step's
+    # temporaries on ViT-L/16).
+    value, weighted, cotangent, objective_grads = jax.lax.optimization_barrier(
+        (value, weighted, cotangent, objective_grads)
+    )
     micro_cotangents = jax.tree.map(lambda g: _split_crops(g, steps), cotangent)
 
     def backward(grads, xs):
