@@ -7,6 +7,11 @@
 #   bash benchmarks/gpu_session.sh tests OUTDIR    # models, losses, methods, optim on the GPU
 #   bash benchmarks/gpu_session.sh checks OUTDIR   # presets and tests at once (untimed; 6 min)
 #   bash benchmarks/gpu_session.sh vits OUTDIR     # DINO ViT-S/16 and ViT-B/16 alone
+#   bash benchmarks/gpu_session.sh table OUTDIR    # every method's step, largest batch, profile
+#     (about 9 min; run it again to go on where a call's limit cut it: the compilation cache,
+#     what was compiled and the rows timed stay in /tmp/jssl-table while the machine is held;
+#     count the steps' FLOPs on a CPU before: python benchmarks/method_steps.py
+#     --count=.whl/flops-counts.json, and pass JSSL_FLOPS=.whl/flops-counts.json)
 #
 # A GPU host may lack TensorFlow and a network: jssl's core needs neither (the demo data is
 # generated with numpy). Wheels in .whl/ (e.g. ml-collections, clu) are installed first when
@@ -33,6 +38,22 @@ fi
 quiet() { grep -v "^[IW][0-9]\|^WARNING: All log\|^[IW]0000" | cut -c1-400; }
 
 case $part in
+table)
+  # Every method at its ImageNet shapes (benchmarks/method_steps.py), then the MoCo profile.
+  mkdir -p /tmp/jssl-table
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}  # the fits
+  timeout "${JSSL_TABLE_TIMEOUT:-540}" python3 benchmarks/method_steps.py \
+    --deadline_s="${JSSL_TABLE_DEADLINE:-450}" --cache_dir=/tmp/jssl-table \
+    --partial=/tmp/jssl-table/rows.jsonl --trace=/tmp/jssl-table/trace \
+    --results="$out/method_steps.json" ${JSSL_FLOPS:+--flops=$JSSL_FLOPS} 2>&1 |
+    quiet | tee "$out/method_steps.log" | grep -v "^compiled"
+  cp /tmp/jssl-table/rows.jsonl /tmp/jssl-table/compiled.json "$out/" 2>/dev/null
+  if [ -d /tmp/jssl-table/trace ]; then
+    python3 benchmarks/trace_summary.py /tmp/jssl-table/trace --top 30 >"$out/trace_summary.txt"
+    head -c 15000000 "$(find /tmp/jssl-table/trace -name '*.trace.json.gz' | head -1)" \
+      >"$out/moco.trace.json.gz"
+  fi
+  ;;
 figures)
   # The train engine end to end first (a minute): nothing else is worth timing if it fails.
   timeout 150 python3 benchmarks/presets.py --methods=moco --results="$out/presets-moco.json" \

@@ -38,8 +38,15 @@ def run_case(
     queue_size: int,
     on_device: bool = False,
     bare: bool = False,
+    batch: int | None = None,
+    compile_only: bool = False,
+    flops: float | None = None,
+    trace_dir: str | None = None,
 ) -> dict:
-    """Runs in a child process: builds the method's step, compiles it and times each step."""
+    """Runs in a child process: builds the method's step, compiles it and times each step.
+    ``batch`` replaces the case's; ``compile_only`` returns after compiling, with XLA's plan of
+    the step's device memory (benchmarks/method_steps.py fills a compilation cache so);
+    ``flops`` is a count made before; ``trace_dir`` takes a jax.profiler trace of 5 more steps."""
     import bare_step
     import jax
 
@@ -48,7 +55,7 @@ def run_case(
     from jssl.engines.train import init_state, make_optimizer
     from jssl.training.step import make_train_step, stop_flags
 
-    spec = CASES[case]
+    spec = dict(CASES[case], batch=batch or CASES[case]["batch"])
     config = case_config(method_name, spec, dtype, queue_size, on_device)
     mesh = parallel.make_mesh()
     method = methods.get(config, steps_per_epoch=1000)
@@ -66,7 +73,22 @@ def run_case(
     lowered = step.lower(state, batch_arrays, stop)
     compiled = lowered.compile()
     compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    flops = mfu.step_flops(lowered)
+    flops = flops or mfu.step_flops(lowered)
+    device = jax.devices()[0]
+    if flops is None and device.platform != "cpu" and not batch:  # count_on_cpu: the case's
+        flops = mfu.count_on_cpu(method_name, case, dtype, queue_size, on_device)
+    if compile_only:
+        plan = compiled.memory_analysis()
+        planned = plan.argument_size_in_bytes + plan.output_size_in_bytes
+        planned += plan.temp_size_in_bytes - plan.alias_size_in_bytes
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        return dict(
+            compile_s=compile_s,
+            compile_cpu_s=compile_cpu_s,
+            flops=flops,
+            planned_gib=planned / 2**30,
+            limit_gib=limit / 2**30 if limit else None,
+        )
     state, metrics = compiled(state, batch_arrays, stop)  # warm-up
     jax.block_until_ready((state, metrics))
     times, cpu_times = [], []
@@ -84,9 +106,11 @@ def run_case(
             t0 = time.perf_counter()
             jax.block_until_ready(augment_alone(batch_arrays))
             augment_s.append(time.perf_counter() - t0)
-    device = jax.devices()[0]
-    if flops is None and device.platform != "cpu":
-        flops = mfu.count_on_cpu(method_name, case, dtype, queue_size, on_device)
+    if trace_dir:  # 5 more steps under the profiler (a Perfetto trace beside the xplane)
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(5):
+                state, metrics = compiled(state, batch_arrays, stop)
+            jax.block_until_ready((state, metrics))
     return dict(
         augment_s=augment_s,
         devices=f"{jax.device_count()}x{device.platform}",
@@ -151,7 +175,13 @@ def main(job: dict) -> None:
         print(json.dumps(dict(result, host_peak_gib=_host_peak_bytes() / 2**30)))
         return
     args = job["case"], job["dtype"], job["steps"], job["method"], job["queue"]
-    result = run_case(*args, job.get("on_device", False), job.get("bare", False))
+    options = ("batch", "compile_only", "flops", "trace_dir")
+    result = run_case(
+        *args,
+        job.get("on_device", False),
+        job.get("bare", False),
+        **{k: job[k] for k in options if job.get(k) is not None},
+    )
     print(json.dumps(result))
 
 
