@@ -53,16 +53,24 @@ FITS = "moco:r50_224_b256:2048/3072/4096,dino:vit_b16_224_b64:256/320/384"
 QUEUE = 65536  # MoCo v2's ImageNet queue
 
 
-def spawn(job: dict, cache_dir: str, parallel: bool = False) -> dict:
-    """Runs ``job`` in step_child.py with the compilation cache; a failure returns its error."""
+def spawn(job: dict, cache_dir: str, parallel: bool = False, timeout: float = 600) -> dict:
+    """Runs ``job`` in step_child.py with the compilation cache; a failure (or no result in
+    ``timeout`` seconds) returns its error, and a rerun tries the job again."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", JAX_COMPILATION_CACHE_DIR=cache_dir)
     env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     env.update(JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     if parallel:  # processes sharing the device: none may take most of its memory up front
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    out = subprocess.run(
-        [sys.executable, CHILD, json.dumps(job)], env=env, capture_output=True, text=True
-    )
+    try:
+        out = subprocess.run(
+            [sys.executable, CHILD, json.dumps(job)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result in {timeout} s"}
     if out.returncode:
         lines = [line for line in out.stderr.splitlines() if line.strip()]
         return {"error": (lines[-1] if lines else f"exit {out.returncode}")[:300]}
@@ -229,6 +237,7 @@ def main() -> None:
     if args.trace and pairs and not late():
         method, case = pairs[0]
         spawn(_job(method, case, args.dtype, 3, trace_dir=args.trace), cache_dir)
+    rows = list({(r["method"], r["case"], r["batch"]): r for r in rows}.values())  # a rerun's
     results.record(
         "method_steps",
         rows,
