@@ -36,8 +36,9 @@ import time
 
 import mfu  # benchmarks/, beside this script
 import results
+import step_child
 from step_cases import CASES
-from train_step import CHILD, _line
+from train_step import _line
 
 # (method, case): ResNet-50 methods at 224 px, batch 256 per GPU (SwAV and DINO with their
 # small crops); the ViT methods on ViT-S/16 at batch 128 (2 + 10 crops where the recipe has
@@ -62,13 +63,7 @@ def spawn(job: dict, cache_dir: str, parallel: bool = False, timeout: float = 60
     if parallel:  # processes sharing the device: none may take most of its memory up front
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     try:
-        out = subprocess.run(
-            [sys.executable, CHILD, json.dumps(job)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        out = step_child.launch(job, env, timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"no result in {timeout} s"}
     if out.returncode:

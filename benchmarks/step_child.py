@@ -9,6 +9,7 @@ torch is inside a function, so importing the module needs none of them.
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -16,6 +17,12 @@ import mfu  # benchmarks/, beside this script
 from step_cases import CASES, case_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(job: dict, env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Runs ``job`` in a fresh process of this script with ``env``; its output as text."""
+    command = [sys.executable, os.path.abspath(__file__), json.dumps(job)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _host_peak_bytes() -> int:

@@ -71,14 +71,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import mfu  # benchmarks/, beside this script
 import results
+import step_child
 from step_cases import CASES, TORCH_CASES, TORCH_QUEUE
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step_child.py")
 # The modes that time each row a second time, their flag help and the notes of their results.
 MODES = {
     "compare_bare": "jssl/bare: the same method's step without jssl's machinery around it "
@@ -116,13 +114,7 @@ def spawn(job: dict) -> dict:
         # PyTorch's OpenMP threads spin while they wait by default, which on a machine shared
         # with other jobs inflates its CPU seconds per step and would flatter jssl's CPU ratio.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    out = subprocess.run(
-        [sys.executable, CHILD, json.dumps(job)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    out = step_child.launch(job, env)
     if out.returncode:
         raise RuntimeError(f"case {job} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
