@@ -49,7 +49,7 @@ DEMOS = {
     "dinov2": 10.0,
     "msn": 10.0,
 }
-# The line monitor.knn_comparison prints (MAE's demo prints a linear probe's line as well).
+# The line monitor.knn_comparison prints.
 LINE = re.compile(
     r"kNN top-1 on (\S+) \(([^,]+), k=\d+\): learned ([\d.]+)% vs random init ([\d.]+)%"
 )
