@@ -232,7 +232,8 @@ def main() -> None:
     if args.trace and pairs and not late():
         method, case = pairs[0]
         spawn(_job(method, case, args.dtype, 3, trace_dir=args.trace), cache_dir)
-    rows = list({(r["method"], r["case"], r["batch"]): r for r in rows}.values())  # a rerun's
+    # One row per (method, case, batch): a rerun's row replaces an earlier run's error row.
+    rows = list({(r["method"], r["case"], r["batch"]): r for r in rows}.values())
     results.record(
         "method_steps",
         rows,
