@@ -82,9 +82,10 @@ PARITY = {
 # momentum encoder: the moco row, whose ResNet trunks run sync BN here; the EMA: moco), DINO on
 # the ResNet (the centre: dino_vit; the teacher's synchronised BN statistics: moco's momentum
 # encoder), SimSiam (synchronised BN of each view: moco; its collapse monitor is a logged
-# metric) and LARC (its trust ratios over split parameters: the optimizer on split state is
-# every row's; LARC's own norms are tests/optim's).
-SLOW = ("mocov3", "dino", "simsiam", "moco_larc")
+# metric), LARC (its trust ratios over split parameters: the optimizer on split state is
+# every row's; LARC's own norms are tests/optim's) and DINO's accumulation on 4 devices (its
+# centre over every device: dino_vit; over micro-batches: tests/methods/test_accumulation.py).
+SLOW = ("mocov3", "dino", "simsiam", "moco_larc", "dino_accum")
 # The 4-device runs split the state (parallel.shard_params, every kernel of the tiny models):
 # parameters gathered for the forward pass, gradients reduce-scattered, the optimizer and
 # after_update (EMA, queues, SwAV's prototype normalisation) on the split arrays. The
