@@ -116,7 +116,6 @@ def test_train_steps_order_their_collectives_on_two_devices(tmp_path):
     out = run_on_devices(os.path.abspath(__file__), tmp_path / "order.npz", devices=2, timeout=600)
     assert sorted(out) == sorted(name for name, *_ in _cases())
     for name, *_ in _cases():
-        assert name in out, name
         pairs = [str(p) for p in out[name]]
         assert not pairs, f"{name}: collectives with no order between them: {pairs}"
 
