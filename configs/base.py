@@ -190,7 +190,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def loss_terms(c: ml_collections.ConfigDict, **weights: float) -> None:
+def loss_terms(c: ml_collections.ConfigDict, **weights: float | None) -> None:
     """Declares the method's loss terms with their weights, each with a constant ramp that the
     command line can turn into one, e.g. ``--config.loss.ramps.variance.kind=linear
     --config.loss.ramps.variance.end=10`` (from 0 to the weight over the first 10 epochs).
@@ -201,9 +201,15 @@ def loss_terms(c: ml_collections.ConfigDict, **weights: float) -> None:
     (``method.crops_for_assign``, ``method.teacher_crops``, ``method.tap_classifiers``). The
     weights given here may name a family (``swapped_prediction=1.0``: it multiplies its parts);
     the parts not given are placeholders (None: their share of the family's mean), which
-    ``--config.loss.weights.swapped_prediction_crop1=0`` sets.
+    ``--config.loss.weights.swapped_prediction_crop1=0`` sets. A weight given as None declares
+    an optional term, off until set (DINO's and iBOT's ``koleo``).
     """
-    c.loss.weights = ml_collections.ConfigDict({name: float(w) for name, w in weights.items()})
+    c.loss.weights = ml_collections.ConfigDict(
+        {
+            name: config_dict.placeholder(float) if w is None else float(w)
+            for name, w in weights.items()
+        }
+    )
     names = list(weights)
     for term in _method_terms(c):
         if term.name not in weights:

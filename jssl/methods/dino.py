@@ -28,7 +28,8 @@ while the student crops change with every ``data.augment.num_crops``. Weighing l
 against global ones (per student crop) is not offered. The default total (two teacher crops at
 1/2 each) equals the single mean over all pairs to float32 rounding, not bit for bit: each
 teacher crop's sum is divided by C - 1 before the two are added (measured: at most 2.2e-7
-relative per example, 4 to 12 crops).
+relative per example, 4 to 12 crops). With ``loss.weights.koleo`` set (the ViT demo), DINOv2's
+KoLeo term on the student's trunk output of each teacher crop joins them (jssl.methods.koleo).
 
 After the optimizer step: the teacher's parameters move towards
 the student's with a momentum that rises from ``teacher_momentum`` to 1 on a cosine over
@@ -78,7 +79,7 @@ import ml_collections
 import numpy as np
 
 from jssl import losses, models
-from jssl.methods import Forward, Method, Objective, common
+from jssl.methods import Forward, Method, Objective, common, koleo
 from jssl.models.heads import DINOHead, dino_last_layer
 from jssl.parallel import DATA_AXIS
 
@@ -89,8 +90,10 @@ def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
     """One term per teacher crop: ``cross_entropy_crop<t>`` for t < ``method.teacher_crops``,
     the student's cross-entropy against teacher crop t's distribution over the other crops,
     each weighing 1 / teacher_crops by default (their sum is DINO's mean over all pairs);
-    ``loss.weights.cross_entropy`` scales them all. Why per teacher crop: see the module."""
-    return common.crop_terms("cross_entropy", range(int(config.method.teacher_crops)))
+    ``loss.weights.cross_entropy`` scales them all. Why per teacher crop: see the module.
+    With ``loss.weights.koleo`` set, KoLeo's ``koleo_crop<t>`` too (jssl.methods.koleo)."""
+    crops = range(int(config.method.teacher_crops))
+    return common.crop_terms("cross_entropy", crops) + koleo.optional_terms(config)
 
 
 def teacher_temperature(
@@ -129,6 +132,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     warmup_steps = int(round(mcfg.warmup_teacher_temp_epochs * spe))
     freeze_steps = int(round(mcfg.freeze_last_layer_epochs * spe))
     term_specs = terms(config)
+    spread = koleo.enabled(config)
 
     def teacher_temp_at(step):
         return teacher_temperature(step, mcfg.warmup_teacher_temp, mcfg.teacher_temp, warmup_steps)
@@ -175,9 +179,13 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         teacher = jax.lax.stop_gradient(
             common.split_crops(teacher_out["head"].astype(jnp.float32), teacher_crops)
         )
+        embeddings = {"student": student, "teacher": teacher}
+        if spread:  # KoLeo's input: the student's trunk output on the teacher's crops
+            tokens = common.split_crops(out["avgpool"].astype(jnp.float32), count)
+            embeddings["tokens"] = tokens[:teacher_crops]
         return Forward(
             # The normalised bottlenecks, (C, n, bottleneck_dim) and (T, n, bottleneck_dim).
-            embeddings={"student": student, "teacher": teacher},
+            embeddings=embeddings,
             features=out["avgpool"][: student.shape[1]],
             batch_stats=batch_stats,
             # No per-example head output: it is out_dim (65536) wide.
@@ -211,8 +219,12 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
                 for name in ("teacher_entropy", "teacher_mean_entropy")
             },
         )
+        values = [per_teacher[t] for t in range(teacher_crops)]
+        if spread:
+            group = int(mcfg.koleo_group_size)
+            values += koleo.crop_losses(embeddings["tokens"], group, per_teacher)
         return Objective(
-            terms={term.name: per_teacher[t] for t, term in enumerate(term_specs)},
+            terms={term.name: value for term, value in zip(term_specs, values, strict=True)},
             metrics=metrics,
             carry={"batch_center": losses.dino_batch_center(teacher, DATA_AXIS)},
         )
@@ -244,6 +256,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     from jssl import data
 
     mcfg = config.method
+    if koleo.enabled(config):
+        koleo.check_group_size(config)
     if tuple(config.model.head_dims):
         raise ValueError(
             f"model.head_dims={tuple(config.model.head_dims)}: DINO puts its own head on the "

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, parallel
-from jssl.methods import Forward, Method, Objective, common, dino, ibot, masking
+from jssl.methods import Forward, Method, Objective, common, dino, ibot, koleo, masking
 from jssl.models.heads import ClsPatchHeads, DINOHead
 from jssl.parallel import DATA_AXIS
 
@@ -57,8 +57,8 @@ CENTERINGS = ("sinkhorn_knopp", "centering")
 def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
     """``dino_crop<t>``, ``ibot_crop<t>`` (shares 1 / T) and ``koleo_crop<t>`` (shares 1)."""
     crops = range(int(config.method.teacher_crops))
-    koleo = tuple(common.LossTerm(f"koleo_crop{t}", "koleo", 1.0) for t in crops)
-    return common.crop_terms("dino", crops) + common.crop_terms("ibot", crops) + koleo
+    terms = common.crop_terms("dino", crops) + common.crop_terms("ibot", crops)
+    return terms + koleo.crop_terms(crops)
 
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
@@ -157,13 +157,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         per_crop = losses.masked_patch_losses(
             embeddings["student_patch"], patch_targets, mask, mcfg.student_temp
         )
-        group = int(mcfg.koleo_group_size)
-        koleo = [
-            losses.koleo_losses(parallel.after(tokens, patch_targets), group, DATA_AXIS)
-            for tokens in embeddings["cls_tokens"]
-        ]
+        spread = koleo.crop_losses(
+            embeddings["cls_tokens"], int(mcfg.koleo_group_size), patch_targets
+        )
         crops = range(teacher_crops)
-        values = [per_teacher[t] for t in crops] + [per_crop[t] for t in crops] + koleo
+        values = [per_teacher[t] for t in crops] + [per_crop[t] for t in crops] + spread
         metrics = dict(
             metrics,
             **ibot.patch_metrics(embeddings, patch_targets),
@@ -250,11 +248,4 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                 raise ValueError(f"method.{field}={m[field]} must be a positive integer.")
         if int(m.patch_num_layers) < 1:
             raise ValueError(f"method.patch_num_layers={m.patch_num_layers} must be >= 1.")
-    group, batch = int(m.koleo_group_size), int(config.data.batch_size)
-    if group < 0 or group == 1 or (group and batch % group):
-        raise ValueError(
-            f"method.koleo_group_size={group}: KoLeo finds each example's nearest neighbour "
-            f"within groups of this many examples of the batch; it must divide "
-            f"data.batch_size={batch} and be at least 2 (DINOv2: each GPU's batch, e.g. 64), "
-            "or 0 for the whole batch."
-        )
+    koleo.check_group_size(config)

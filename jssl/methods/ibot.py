@@ -27,10 +27,9 @@ iBOT's head on every patch. ``use_bn_in_head``: batch norm between the MLP's lay
 Loss terms: ``cls_crop<t>`` (family ``cls``, iBOT's ``lambda1``: ``loss.weights.cls``) per
 teacher crop as DINO's, and ``patch_crop<t>`` (family ``patch``, ``lambda2``) per global crop,
 each weighing 1 / teacher_crops, so ``cls`` and ``patch`` are iBOT's ``total_loss1`` and
-``total_loss2``. Split per crop for DINO's reasons (the two global crops differ in blur and
-solarisation, and their number is known in the config): the masked crop is both target and
-prediction of its patch term, so weighing the clean against the solarised view is a choice a
-user can make for either loss.
+``total_loss2``; per crop for DINO's reasons (the masked crop is target and prediction of its
+patch term: weighing the clean against the solarised view is a choice for either loss). Where
+``loss.weights.koleo`` is set (the demo), DINOv2's ``koleo_crop<t>`` too (methods.koleo).
 
 Deliberate differences from iBOT: the schedules (temperatures, masking start) are per step as
 VISSL's DINO (iBOT steps them per epoch); masks are drawn per example from the step key
@@ -49,7 +48,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import Forward, Method, Objective, common, dino, masking
+from jssl.methods import Forward, Method, Objective, common, dino, koleo, masking
 
 # The start-up checks the method registry and DINOv2 call on this module.
 from jssl.methods.ibot_checks import check_config, check_vit  # noqa: F401
@@ -58,9 +57,11 @@ from jssl.parallel import DATA_AXIS
 
 
 def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
-    """``cls_crop<t>`` and ``patch_crop<t>`` for t < ``method.teacher_crops``; see the module."""
+    """``cls_crop<t>`` and ``patch_crop<t>`` for t < ``method.teacher_crops``; see the module.
+    With ``loss.weights.koleo`` set, KoLeo's ``koleo_crop<t>`` too (jssl.methods.koleo)."""
     crops = range(int(config.method.teacher_crops))
-    return common.crop_terms("cls", crops) + common.crop_terms("patch", crops)
+    terms = common.crop_terms("cls", crops) + common.crop_terms("patch", crops)
+    return terms + koleo.optional_terms(config)
 
 
 def mask_spec(config: ml_collections.ConfigDict) -> masking.MaskSpec:
@@ -93,6 +94,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     start = int(round(mcfg.pred_start_epoch * spe))
     freeze_steps = int(round(mcfg.freeze_last_layer_epochs * spe))
     term_specs = terms(config)
+    spread = koleo.enabled(config)
 
     def temperatures(step):
         cls = dino.teacher_temperature(step, mcfg.warmup_teacher_temp, mcfg.teacher_temp, warmup)
@@ -142,8 +144,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         embeddings = distillation_embeddings(student, out, valid, teacher_crops)
         mean = common.split_crops(out["patch_mean"].astype(jnp.float32), teacher_crops)
+        embeddings["teacher_patch_mean"] = jax.lax.stop_gradient(mean)
+        if spread:
+            embeddings["cls_tokens"] = student["cls_tokens"].astype(jnp.float32)
         return Forward(
-            embeddings=dict(embeddings, teacher_patch_mean=jax.lax.stop_gradient(mean)),
+            embeddings=embeddings,
             features=student["features"],
             batch_stats=batch_stats,
             carry={"ema_batch_stats": common.mean_over_devices(ema_batch_stats)},
@@ -164,8 +169,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         per_crop = losses.masked_patch_losses(
             embeddings["student_patch"], targets, embeddings["mask"], mcfg.student_temp
         )
-        crops = len(term_specs) // 2
-        values = [per_teacher[t] for t in range(crops)] + [per_crop[t] for t in range(crops)]
+        crops = range(int(mcfg.teacher_crops))
+        values = [per_teacher[t] for t in crops] + [per_crop[t] for t in crops]
+        if spread:
+            group = int(mcfg.koleo_group_size)
+            values += koleo.crop_losses(embeddings["cls_tokens"], group, per_crop)
         metrics = dict(
             metrics,
             **patch_metrics(embeddings, targets),

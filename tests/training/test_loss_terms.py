@@ -105,8 +105,10 @@ def test_loss_terms_declares_placeholders_for_the_parts_of_a_family():
         "cross_entropy": 1.0,
         "cross_entropy_crop0": None,
         "cross_entropy_crop1": None,
+        "koleo": None,  # an optional term (jssl.methods.koleo), off until set
     }
     assert config.loss.ramps.cross_entropy_crop1.kind == "constant"
+    assert config.loss.ramps.koleo.kind == "constant"
     # Fewer teacher crops on the command line: the unset part's fields are left alone, a
     # part set to a weight the method no longer has is refused.
     config.method.teacher_crops = 1
