@@ -93,7 +93,7 @@ def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
     ``loss.weights.cross_entropy`` scales them all. Why per teacher crop: see the module.
     With ``loss.weights.koleo`` set, KoLeo's ``koleo_crop<t>`` too (jssl.methods.koleo)."""
     crops = range(int(config.method.teacher_crops))
-    return common.crop_terms("cross_entropy", crops) + koleo.optional_terms(config)
+    return common.crop_terms("cross_entropy", crops) + koleo.optional_terms(config, crops)
 
 
 def teacher_temperature(

@@ -61,7 +61,7 @@ def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
     With ``loss.weights.koleo`` set, KoLeo's ``koleo_crop<t>`` too (jssl.methods.koleo)."""
     crops = range(int(config.method.teacher_crops))
     terms = common.crop_terms("cls", crops) + common.crop_terms("patch", crops)
-    return terms + koleo.optional_terms(config)
+    return terms + koleo.optional_terms(config, crops)
 
 
 def mask_spec(config: ml_collections.ConfigDict) -> masking.MaskSpec:

@@ -1,12 +1,13 @@
-"""KoLeo (``losses.koleo_losses``) as a loss term of the DINO family: always one of DINOv2's
-terms, an optional one of DINO's and iBOT's.
+"""KoLeo (``losses.koleo_losses``) as a loss term of the distillation methods: always one of
+DINOv2's terms, an optional one of DINO's, iBOT's and MSN's.
 
 DINOv2 (Oquab et al. 2023, Sec. 4) adds KoLeo to DINO's and iBOT's losses: the entropy of the
 student's normed class tokens, estimated from each token's distance to its nearest neighbour
-among ``method.koleo_group_size`` examples, pushes the tokens apart. DINO and iBOT have no
-such term. Here they get it when ``loss.weights.koleo`` is set (a placeholder, unset in their
-presets but the small-data demos, where it is a deliberate difference: docs/methods.md):
-``koleo_crop<t>`` per global crop t, each at share 1 (DINOv2 sums the crops' terms).
+among ``method.koleo_group_size`` examples, pushes the tokens apart. DINO, iBOT and MSN have
+no such term. Here they get it when ``loss.weights.koleo`` is set (a placeholder, unset in
+their presets but the small-data ViT demos, where it is a deliberate difference:
+docs/methods.md): ``koleo_crop<t>`` per crop t (DINO, iBOT: each teacher crop's student
+pass; MSN: each random-masked anchor's), each at share 1 (DINOv2 sums the crops' terms).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def enabled(config: ml_collections.ConfigDict) -> bool:
     return weights.get(FAMILY) is not None
 
 
-def optional_terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
-    """DINO's and iBOT's KoLeo terms: one per teacher crop where :func:`enabled`, else none."""
-    if not enabled(config):
-        return ()
-    return crop_terms(range(int(config.method.teacher_crops)))
+def optional_terms(
+    config: ml_collections.ConfigDict, crops: Sequence[int]
+) -> tuple[common.LossTerm, ...]:
+    """The optional KoLeo terms, one per crop of ``crops`` (DINO's and iBOT's teacher crops,
+    MSN's random-masked anchors) where :func:`enabled`, else none."""
+    return crop_terms(crops) if enabled(config) else ()
 
 
 def crop_losses(tokens: jax.Array, group_size: int, *after: jax.Array) -> list[jax.Array]:

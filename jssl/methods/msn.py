@@ -20,9 +20,11 @@ at 96 px: ``num_crops=(2, 10)``, ``crop_sizes=(224, 96)``). Per step:
   to ``num_prototypes`` learned prototypes (``params["prototypes"]``, (K, d), normalised where
   used) by cosine; the loss (``jssl.losses.msn_terms``) takes it from there.
 
-Loss terms (``TERMS``): ``cross_entropy`` (anchors against the sharpened, Sinkhorn-balanced
+Loss terms (``terms``): ``cross_entropy`` (anchors against the sharpened, Sinkhorn-balanced
 targets), ``me_max`` (mean-entropy maximisation, the reference's ``memax_weight`` is its
-weight) and ``entropy`` (the anchors' own entropy, ``ent_weight``, 0 in the recipes).
+weight) and ``entropy`` (the anchors' own entropy, ``ent_weight``, 0 in the recipes); with
+``loss.weights.koleo`` set (the demo), DINOv2's ``koleo_crop<c>`` on the online class token
+of each random-masked anchor c (jssl.methods.koleo), which MSN does not have.
 
 Schedules, functions of the optimizer step as in the reference: the target momentum rises
 LINEARLY from ``target_momentum`` to ``final_target_momentum`` over ``schedule_horizon`` (1.25)
@@ -58,7 +60,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import Forward, Method, Objective, common
+from jssl.methods import Forward, Method, Objective, common, koleo
 from jssl.models.resnet import batch_norm
 from jssl.parallel import DATA_AXIS
 
@@ -141,6 +143,30 @@ def linear_schedule(step: jax.Array, total_steps: int, start: float, end: float)
     return start + (end - start) * progress
 
 
+def terms(config: ml_collections.ConfigDict) -> tuple[Any, ...]:
+    """``TERMS``, and with ``loss.weights.koleo`` set DINOv2's ``koleo_crop<c>`` on each
+    random-masked anchor c (jssl.methods.koleo; the online encoder's class token)."""
+    if not koleo.enabled(config):
+        return TERMS
+    anchors = range(1, len(_target_size_crops(config)))
+    if not anchors:  # raised here, before the check of loss.weights against the terms
+        raise ValueError(
+            f"loss.weights.koleo={config.loss.weights.koleo}: KoLeo spreads the class tokens "
+            "of the random-masked anchors (the crops of the target's size after crop 0), "
+            f"and data.augment.num_crops={tuple(config.data.augment.num_crops)} has none; "
+            "use num_crops='(2, 10)' or unset the weight."
+        )
+    return TERMS + koleo.optional_terms(config, anchors)
+
+
+def _target_size_crops(config: ml_collections.ConfigDict) -> list[int]:
+    """The crops of the target's size (crop 0's): the target, then the random-masked anchors."""
+    from jssl import data
+
+    sizes = [g.size for g in data.crop_groups(config.data) for _ in range(g.num_crops)]
+    return [i for i, s in enumerate(sizes) if s == sizes[0]]
+
+
 def _anchor_groups(views: list[jax.Array]) -> list[tuple[int, list[jax.Array]]]:
     """The anchors (crops 1..) as runs of one size: ``[(first crop number, views)]``."""
     groups: list[tuple[int, list[jax.Array]]] = []
@@ -167,6 +193,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     patch = int(config.model.patch_size)
     num_prototypes, output_dim = int(mcfg.num_prototypes), int(mcfg.output_dim)
     focal_block = int(mcfg.focal_block)
+    spread = koleo.enabled(config)
     # Without the epoch length (evaluation engines) the schedules read as finished.
     horizon = int(round(mcfg.schedule_horizon * (steps_per_epoch or 0) * config.num_epochs))
 
@@ -230,6 +257,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
                 **kwargs,
             )
             projections.append(out["head"].astype(jnp.float32))
+            if spread and first == 1 and group[0].shape[1] == target_size:
+                # KoLeo's input: the random-masked anchors' class tokens, (k, n, D).
+                tokens = common.split_crops(out["avgpool"].astype(jnp.float32), len(group))
         z = losses.l2_normalize(jnp.concatenate(projections))  # (V * n, d), crop-major
         anchor = common.split_crops(z @ prototypes.T, len(views) - 1)  # (V, n, K)
         target_out, ema_batch_stats = common.apply_model(
@@ -237,8 +267,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         h = jax.lax.stop_gradient(target_out["head"].astype(jnp.float32))
         target = losses.l2_normalize(h) @ jax.lax.stop_gradient(prototypes).T  # (n, K)
+        embeddings = {"anchor": anchor, "target": target[None]}
+        if spread:
+            embeddings["tokens"] = tokens
         return Forward(
-            embeddings={"anchor": anchor, "target": target[None]},
+            embeddings=embeddings,
             features=jax.lax.stop_gradient(target_out["avgpool"]),
             batch_stats=batch_stats,
             head=h,
@@ -257,6 +290,11 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             sinkhorn_iterations=int(mcfg.sinkhorn_iterations),
             axis_name=DATA_AXIS,
         )
+        if spread:  # its gathers after the Sinkhorn loop's (parallel.after)
+            spreads = koleo.crop_losses(
+                embeddings["tokens"], int(mcfg.koleo_group_size), *terms.values()
+            )
+            terms = dict(terms, **{f"koleo_crop{c + 1}": v for c, v in enumerate(spreads)})
         metrics = dict(metrics, sharpen=sharpen, target_momentum=momentum_at(state.step))
         return Objective(terms=terms, metrics=metrics)
 
@@ -304,6 +342,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "target's size (crop 0's) must come first, the focal crops after them, e.g. "
             "num_crops='(2, 10)', crop_sizes='(224, 96)'."
         )
+    if koleo.enabled(config):
+        koleo.check_group_size(config)
     side = sizes[0] // int(config.model.patch_size)
     if not 0.0 <= mcfg.patch_drop < 1.0 or kept_patches(side * side, mcfg.patch_drop) < 1:
         raise ValueError(

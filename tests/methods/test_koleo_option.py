@@ -1,7 +1,8 @@
-"""KoLeo as DINO's and iBOT's optional term (jssl.methods.koleo): off in the papers' presets,
-on in the ViT demos, ``koleo_crop<t>`` of each teacher crop's trunk output (DINO) or masked
-student class tokens (iBOT) when ``loss.weights.koleo`` is set, and its group size checked
-only then. DINOv2's always-on term: tests/methods/test_dinov2.py."""
+"""KoLeo as DINO's, iBOT's and MSN's optional term (jssl.methods.koleo): off in the papers'
+presets, on in the ViT demos, ``koleo_crop<t>`` of each teacher crop's trunk output (DINO),
+masked student class tokens (iBOT) or random-masked anchor's class token (MSN) when
+``loss.weights.koleo`` is set, and its settings checked only then. DINOv2's always-on term:
+tests/methods/test_dinov2.py."""
 
 from typing import Any, NamedTuple
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import dino, ibot
+from configs import dino, ibot, msn
 from jssl import data, losses, methods
 from jssl.engines import train
 from jssl.parallel import DATA_AXIS
@@ -42,12 +43,14 @@ def _names(config) -> list[str]:
         (dino, "demo_vit", True),
         (ibot, "", False),
         (ibot, "demo", True),
+        (msn, "", False),
+        (msn, "demo", True),
     ],
 )
 def test_off_in_the_papers_presets_and_on_in_the_vit_demos(module, preset, on):
     config = module.get_config(preset)
     assert (config.loss.weights.koleo is not None) == on
-    assert (_names(config)[-2:] == KOLEO) == on
+    assert (_names(config)[-1].startswith("koleo_crop")) == on
     train.validate(config)
 
 
@@ -116,7 +119,27 @@ def test_ibot_koleo_of_the_masked_students_class_tokens():
     assert not set(KOLEO) & set(objective.terms)
 
 
-@pytest.mark.parametrize("module", [dino, ibot])
+def test_msn_koleo_of_each_random_masked_anchors_class_token():
+    config = msn.get_config("test")
+    config.data.augment.num_crops = (3, 2)  # the target and two random-masked anchors
+    config.loss.weights.koleo = 0.1
+    config.method.koleo_group_size = 8
+    train.validate(config)
+    assert _names(config)[-2:] == ["koleo_crop1", "koleo_crop2"]
+    forward, objective = _forward_and_objective(config)
+    tokens = forward.embeddings["tokens"]
+    assert tokens.shape == (2, 16, forward.features.shape[-1])
+    assert float(jnp.abs(tokens[0] - tokens[1]).max()) > 0  # two anchors, two masks
+    for c in (1, 2):
+        want = losses.koleo_losses(tokens[c - 1], 8)
+        np.testing.assert_allclose(objective.terms[f"koleo_crop{c}"], want, rtol=1e-5)
+    # Focal anchors only (no crop of the target's size but the target): refused by name.
+    config.data.augment.num_crops = (1, 2)
+    with pytest.raises(ValueError, match="loss.weights.koleo=0.1: KoLeo spreads"):
+        train.validate(config)
+
+
+@pytest.mark.parametrize("module", [dino, ibot, msn])
 def test_the_group_size_is_checked_only_with_the_term_on(module):
     config = module.get_config("test")
     config.method.koleo_group_size = 3  # does not divide the batch of 16

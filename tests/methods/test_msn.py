@@ -169,7 +169,12 @@ def test_default_preset_is_the_references_vits16_recipe():
     )
     assert (m.temperature, m.sharpen, m.final_sharpen, m.use_sinkhorn) == (0.1, 0.25, 0.25, True)
     assert (m.patch_drop, m.target_momentum, m.schedule_horizon) == (0.15, 0.996, 1.25)
-    assert dict(config.loss.weights) == {"cross_entropy": 1.0, "me_max": 1.0, "entropy": 0.0}
+    assert dict(config.loss.weights) == {
+        "cross_entropy": 1.0,
+        "me_max": 1.0,
+        "entropy": 0.0,
+        "koleo": None,  # not MSN's (jssl.methods.koleo): off
+    }
     assert a.num_crops == (2, 10) and a.crop_sizes == (224, 96)
     assert a.crop_scale == ((0.3, 1.0), (0.05, 0.3)) and a.blur_prob == (0.5,)
     assert (o.name, o.base_lr, o.base_lr_batch_size, o.warmup_start_lr) == ("adamw", 1e-3, 0, 2e-4)

@@ -14,14 +14,11 @@ from support.launch import REPO, prepare_shared_dirs
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import demos  # noqa: E402  (benchmarks/demos.py: the sweep over seeds and device counts)
 
-# Each demo against its goal in demos.DEMOS (10 points over random-init kNN; the MoCo quick
-# start 15), but MSN's, which does not reach it yet on seed 0 (3 points; docs/methods.md says
-# what was tried).
-SHORT = ("msn",)
 
-
+# Each demo against its goal in demos.DEMOS: 10 points over random-init kNN, the MoCo quick
+# start 15.
 @pytest.mark.slow
-@pytest.mark.parametrize("demo", [d for d in demos.DEMOS if d not in SHORT])
+@pytest.mark.parametrize("demo", list(demos.DEMOS))
 def test_demo_learned_knn_beats_random_init(demo, tmp_path_factory):
     data_dir, _ = prepare_shared_dirs(tmp_path_factory)
     row = demos.run_demo(demo, seed=0, devices=1, data_dir=data_dir, timeout=900)
