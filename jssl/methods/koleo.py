@@ -30,8 +30,8 @@ def crop_terms(crops: Sequence[int]) -> tuple[common.LossTerm, ...]:
 
 
 def enabled(config: ml_collections.ConfigDict) -> bool:
-    """Whether DINO's or iBOT's config turns the optional term on (``loss.weights.koleo`` set;
-    a config without the field, e.g. a workdir's saved before it existed, has it off)."""
+    """Whether a DINO, iBOT or MSN config turns the optional term on (``loss.weights.koleo``
+    set; a config without the field, e.g. a workdir's saved before it existed, has it off)."""
     weights = (config.get("loss") or {}).get("weights") or {}
     return weights.get(FAMILY) is not None
 
