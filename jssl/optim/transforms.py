@@ -46,10 +46,12 @@ def _get(optim_config: ml_collections.ConfigDict, name: str) -> Any:
 
 
 def weight_decay_mask(params: Any, *, regularize_bn: bool, regularize_bias: bool) -> Any:
-    """True where weight decay applies. VISSL's regularize_bn covers the scale and bias of
+    """True where weight decay applies, by VISSL's rule (``_get_norm_optimizer_params`` in
+    ``vissl/optimizers/param_groups/default.py``): regularize_bn covers the scale of
     normalisation layers (batch norm; a ViT's LayerNorms ``norm``, ``norm1``, ``norm2``) and
     LayerScale's ``gamma`` (a per-channel scale, which DINOv2's and MAE's groups exempt too);
-    regularize_bias covers the biases of the other layers."""
+    regularize_bias covers the biases of the other layers; a norm layer's bias is decayed only
+    when both are on (it is a norm parameter and a bias)."""
 
     def is_norm(part: str) -> bool:
         lower = part.lower()
@@ -58,7 +60,7 @@ def weight_decay_mask(params: Any, *, regularize_bn: bool, regularize_bias: bool
     def decide(path: tuple[str, ...]) -> bool:
         in_bn = any(is_norm(part) for part in path[:-1]) or path[-1] == "gamma"
         if in_bn:
-            return regularize_bn
+            return regularize_bn and (path[-1] != "bias" or regularize_bias)
         if path[-1] == "bias":
             return regularize_bias
         return True

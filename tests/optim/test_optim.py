@@ -86,7 +86,8 @@ def test_weight_decay_mask_follows_vissl_flags():
     assert not mask["bn1"]["scale"] and not mask["layer1_0"]["downsample_bn"]["scale"]
     assert not mask["blocks_0"]["ls1"]["gamma"] and mask["blocks_0"]["fc1"]["kernel"]
     mask = optim.weight_decay_mask(params, regularize_bn=True, regularize_bias=False)
-    assert mask["bn1"]["bias"] and not mask["head"]["Dense_0"]["bias"]
+    assert mask["bn1"]["scale"] and not mask["head"]["Dense_0"]["bias"]
+    assert not mask["bn1"]["bias"]  # VISSL: a norm's bias needs regularize_bias as well
     assert mask["blocks_0"]["ls1"]["gamma"]
 
 
