@@ -230,7 +230,9 @@ def _extract_split(
     if writer is not None:
         written = writer.finish(allow_missing=config.data.skip_corrupt)
         if bounds is not None:
-            feature_store.write_split_info(directory, split, bounds, written)
+            feature_store.write_split_info(
+                directory, split, bounds, written, class_names=source.class_names
+            )
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"jssl_extract_{split}")
     return {

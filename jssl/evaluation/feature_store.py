@@ -86,10 +86,19 @@ def output_dir(workdir: str, split: str, bounds: SplitBounds | None = None) -> s
     return os.path.join(workdir, "features", split_dir_name(split, bounds))
 
 
-def write_split_info(directory: str, split: str, bounds: SplitBounds, num_examples: int) -> None:
+def write_split_info(
+    directory: str,
+    split: str,
+    bounds: SplitBounds,
+    num_examples: int,
+    class_names: Sequence[str] = (),
+) -> None:
     """Records in ``<directory>/split.json`` which examples the directory holds; the
-    evaluation engines select slices from it (``load_features``)."""
+    evaluation engines select slices from it (``load_features``). An image folder's
+    ``class_names`` (target i is class_names[i]) are recorded too, for the user to check."""
     info = {"split": split, **dataclasses.asdict(bounds), "num_examples": num_examples}
+    if class_names:
+        info["class_names"] = list(class_names)
     path = os.path.join(directory, SPLIT_INFO)
     with open(path + ".partial", "w") as f:
         json.dump(info, f, indent=2)
