@@ -44,6 +44,7 @@ class SplitSource:
     sliceable: bool = True  # tfds: split info known, so ranges are read with split slicing
     paths: tuple[str, ...] = ()  # folder: files in index order
     labels: np.ndarray | None = None  # folder: int32 labels in index order
+    class_names: tuple[str, ...] = ()  # folder: label i is class_names[i] (train's class folders)
     array_record: bool = False  # tfds: prepared in ArrayRecord files, readable by index
 
     @property
@@ -53,10 +54,10 @@ class SplitSource:
 
     @property
     def num_classes(self) -> int | None:
-        """Classes of the labels: TFDS metadata, an image folder's class folders or the demo's
-        classes; None when the data does not say."""
+        """Classes of the labels: TFDS metadata, the training split's class folders for an image
+        folder, or the demo's classes; None when the data does not say."""
         if self.kind == "folder":
-            return int(self.labels.max()) + 1
+            return len(self.class_names)
         if self.kind == "demo":
             return len(demo.CLASS_NAMES)
         if self.multi_label_classes:

@@ -127,9 +127,9 @@ def label_names_of(data_config: ml_collections.ConfigDict, split: str) -> tuple[
     class folders, the demo's classes; None where the source has none."""
     from jssl.data import demo, sources
 
-    if data_config.source == "folder":
-        return tuple(sources.list_image_folder(str(data_config.data_dir), split)[2])
     source = sources.resolve_split(data_config, split)
+    if source.kind == "folder":  # the training split's class folders label every split
+        return source.class_names
     if source.kind == "demo":
         return tuple(demo.CLASS_NAMES)
     label = source.builder.info.features["label"] if source.builder is not None else None
