@@ -55,6 +55,9 @@ SAFE_FIELDS = (
     "data.data_dir",  # the same dataset found at another path (a moved or staged copy)
     "compilation_cache_dir",  # where compiled steps are cached, not what they compute
     "parallel.*",  # how the state is laid out over the devices, not its values
+    # Which trunk blocks are recomputed in the backward pass: memory only, the same parameter
+    # names and results (jssl.models.remat; tests/models/test_remat.py).
+    "model.remat",
     "verify.*",  # engine=verify's steps and tolerances; training never reads them
 )
 

@@ -1,0 +1,37 @@
+"""``model.remat`` changes memory only, so a run saved with ``remat=full`` resumes with
+``remat=none``: the change is recorded in config_changes.json, not refused, and the resumed
+state is the saved one."""
+
+import json
+import os
+
+import jax
+import numpy as np
+from support.runs import checkpoint_steps, load_checkpoint, make_config
+
+from jssl import engines
+
+
+def _config(shared_dirs, remat: str, max_steps: int):
+    overrides = {"knn.enabled": False, "model.remat": remat, "debug.max_steps": max_steps}
+    return make_config(shared_dirs, **overrides)
+
+
+def test_a_remat_full_checkpoint_resumes_with_remat_none(tmp_path, shared_dirs):
+    workdir = str(tmp_path)
+    engines.run(_config(shared_dirs, "full", 1), workdir)
+    saved, _ = load_checkpoint(workdir, 1)
+
+    # Resumed at its own step: nothing trains (no second compilation), and the state restored
+    # into remat=none's model is the one saved.
+    summary = engines.run(_config(shared_dirs, "none", 1), workdir)
+    assert summary["step"] == 1
+    restored = jax.device_get(summary["state"])
+    for name in ("params", "batch_stats", "opt_state", "ema_params"):
+        actual, expected = getattr(restored, name), saved[name]
+        for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(a, e, err_msg=name)
+    with open(os.path.join(workdir, "config_changes.json")) as f:
+        (entry,) = json.load(f)
+    assert entry["changes"] == {"model.remat": {"old": "full", "new": "none"}}
+    assert not entry["forced"] and checkpoint_steps(workdir) == [1]
