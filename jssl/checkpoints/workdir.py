@@ -11,7 +11,8 @@
   refused). It removes the config.json it wrote when that first launch fails before its first
   checkpoint, so a corrected rerun is not refused as a change of a run that never started.
 * ``make_workdir``: a ``--workdir`` that is a file, or that cannot be created, is refused
-  with a message saying so.
+  with a message saying so, and so is an existing directory that holds files but none of a
+  jssl workdir's own (``OWN_NAMES``), so that a run never writes beside a user's files.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from jssl.checkpoints.run_config import (  # noqa: F401
 )
 
 LOCK_FILE = ".lock"
+# What a jssl workdir holds from its first launch on: the lock (kept even when that launch
+# failed and removed its config.json again), the config and the checkpoints.
+OWN_NAMES = (LOCK_FILE, CONFIG_FILE, "checkpoints")
 
 
 @contextlib.contextmanager
@@ -138,6 +142,8 @@ def make_workdir(workdir: str) -> None:
             f"--workdir={workdir} is an existing file, not a directory: pass the path of a "
             "directory (it is created if missing), e.g. --workdir=runs/my_run."
         )
+    if os.path.isdir(workdir):
+        check_is_own(workdir)
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -146,6 +152,25 @@ def make_workdir(workdir: str) -> None:
             f"--workdir={workdir}: cannot create this directory ({e.strerror}: {e.filename}); "
             "pass a --workdir in a writable location whose parents are directories",
         ) from None
+
+
+def check_is_own(workdir: str) -> None:
+    """Refuses an existing ``workdir`` that holds files (hidden ones aside: ``.DS_Store``,
+    ``.ipynb_checkpoints``) but none of ``OWN_NAMES``: a run there would write its config,
+    checkpoints and results (a results.json of another tool included) beside them."""
+    entries = os.listdir(workdir)
+    if any(name in OWN_NAMES for name in entries):
+        return
+    visible = sorted(name for name in entries if not name.startswith("."))
+    if not visible:
+        return
+    shown = ", ".join(visible[:5]) + (f" and {len(visible) - 5} more" if len(visible) > 5 else "")
+    raise FileExistsError(
+        f"--workdir={workdir} ({os.path.abspath(workdir)}) is a directory that holds other "
+        f"files ({shown}) and is not a jssl workdir (no {CONFIG_FILE}, checkpoints/ or "
+        f"{LOCK_FILE}): the run would write its files beside them. Pass a new or empty "
+        "directory, e.g. --workdir=runs/my_run."
+    )
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

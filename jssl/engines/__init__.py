@@ -130,7 +130,10 @@ def run(
     An evaluation engine first takes the ``model.*`` fields of the workdir it evaluates
     (jssl.checkpoints.source_model), except the dotted fields in ``explicit`` (the command
     line's overrides). ``batches`` and ``steps_per_epoch`` (train only) replace jssl's input
-    pipeline by the caller's own host batches (see ``jssl.train``)."""
+    pipeline by the caller's own host batches (see ``jssl.train``).
+
+    ``~`` in ``workdir`` is the home directory: the shell leaves ``--workdir=~/x`` as it is."""
+    workdir = os.path.expanduser(workdir)
     name = config.engine
     run_engine = engine_function(name)
     if batches is not None:
