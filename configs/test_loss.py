@@ -6,9 +6,10 @@ any checkpoint of a jssl workdir. The engine is jssl/engines/test_loss.py.
       --config.init.checkpoint=runs/demo
 
 The method, its heads and teacher, and its data recipe are the trained run's (its config.json
-and checkpoint); ``test_loss.split`` of its dataset is read once, the centre crop fed as every
-view. ``workdir/results.json`` holds the loss, its terms and metrics (a supervised run's top-1)
-next to the protocol (method, split, checkpoint and step).
+and checkpoint; a ``--config.method.name`` other than its own is refused); ``test_loss.split``
+of its dataset is read once, the centre crop fed as every view. ``workdir/results.json`` holds
+the loss, its terms and metrics (a supervised run's top-1) next to the protocol (method, split,
+checkpoint and step).
 
 Presets: "" / "imagenet", "demo", "test" (the split and batch size; the data is the run's).
 """

@@ -27,7 +27,7 @@ import ml_collections
 from absl import logging
 
 from jssl import methods, parallel
-from jssl.checkpoints import source_model, weights
+from jssl.checkpoints import run_config, source_model, weights
 from jssl.data.sources import DEMO_NAME
 from jssl.engines import svm as svm_engine
 from jssl.evaluation import evaluators, frozen, monitor
@@ -68,6 +68,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"init.checkpoint={path!r} is a weights file, which holds a trunk alone; the test "
             "loss needs the method's heads, teacher and config: pass the jssl workdir that "
             "trained it."
+        )
+    check_method(config, path)
+
+
+def check_method(config: ml_collections.ConfigDict, path: str) -> None:
+    """The loss is the trained method's own, so the method is the workdir's: a ``method.name``
+    set here (the presets leave it empty) other than the one ``path``'s config.json records
+    is refused rather than ignored."""
+    wanted = config.method.name
+    trained = run_config.recorded_config(path).get("method.name")
+    if wanted and trained and wanted != trained:
+        raise ValueError(
+            f"method.name={wanted!r}, but {path} trained {trained!r} (its config.json): the "
+            "test loss is the trained method's own loss, computed with the heads, teacher and "
+            f"state its checkpoint holds, so the method is the workdir's, {trained!r}. Drop "
+            f"--config.method.name, or point --config.init.checkpoint at a workdir that trained "
+            f"{wanted!r}."
         )
 
 
