@@ -13,12 +13,13 @@ ARI, Hungarian-matched accuracy). The algorithm and scores are jssl/evaluation/c
 setting, the restart kept and every restart's inertia).
 
 Presets: "" / "imagenet" (ImageNet avgpool features: train clustered, validation assigned),
-"demo" (the demo features in runs/demo_features), "test" (tiny, for the test suite).
+"demo" (the demo features in runs/demo_features), "test" (tiny, for the test suite: the splits
+that configs/extract_features.py:test writes, train[:64] and test[:40]).
 """
 
 import ml_collections
 
-from configs import base, recipes
+from configs import base, extract_features, recipes
 
 PRESETS = ("", "imagenet", "demo", "test")
 
@@ -47,5 +48,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         k.features_dir = "runs/demo_features"
         k.restarts = 5
     elif preset == "test":
+        # What configs/extract_features.py:test writes, so that its workdir is read as it is.
+        k.train_split, k.test_split = extract_features.TEST_SPLITS
         k.chunk_rows = 16
     return c

@@ -16,7 +16,8 @@ holds the mean, std, min and max over the samples for each layer and k, with the
 
 Presets: "" / "voc07" (VISSL's VOC07 low-shot: res4 and res5, k 1..96, 5 samples; on the
 multi-label targets configs/svm.py describes), "demo" (the demo features in
-runs/demo_features), "test" (tiny, for the test suite).
+runs/demo_features), "test" (tiny, for the test suite: configs/svm.py:test's splits, which
+configs/extract_features.py:test writes).
 """
 
 import ml_collections

@@ -15,7 +15,8 @@ source, splits, every setting, how costs were chosen, how the test figure is com
 
 Presets: "" / "voc07" (VISSL's VOC07 benchmark: TFDS voc/2007, trainval -> test, ResNet-50
 res5 pooled as VISSL), "demo" (the demo data's features from configs/extract_features.py:demo
-in runs/demo_features), "test" (tiny, for the test suite).
+in runs/demo_features), "test" (tiny, for the test suite: the splits that
+configs/extract_features.py:test writes, train[:64] and test[:40]).
 
 VOC07's targets are VISSL's (n, 20) matrix (1 present, 0 absent, -1 difficult only), which the
 data layer reads from TFDS voc/2007's "labels" and "labels_no_difficult" and extract_features
@@ -24,7 +25,7 @@ writes (configs/transfer.py:voc2007,extract extracts them).
 
 import ml_collections
 
-from configs import base, recipes
+from configs import base, extract_features, recipes
 
 PRESETS = ("", "voc07", "demo", "test")
 
@@ -57,6 +58,8 @@ def add_svm(c: ml_collections.ConfigDict, preset: str) -> None:
         s.features_dir = "runs/demo_features"
         s.layers = ("avgpool",)  # res5 (512 dims) too: about 4x the time
     elif preset == "test":
+        # What configs/extract_features.py:test writes, so that its workdir is read as it is.
+        s.train_split, s.test_split = extract_features.TEST_SPLITS
         s.layers = ("avgpool",)
         s.costs = (0.1, 1.0, 10.0)
 

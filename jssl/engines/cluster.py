@@ -56,13 +56,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if not isinstance(ccfg.train_split, str) or not ccfg.train_split:
         raise ValueError(f"cluster.train_split={ccfg.train_split!r} must name a split.")
     for layer in layers:
-        for split in _splits(ccfg):
-            data = svm.load_split(ccfg.features_dir, split, layer)
+        for field, split in _splits(ccfg).items():
+            data = svm.load_split(ccfg.features_dir, split, layer, field)
             if data.multi_label:
                 raise ValueError(
                     f"cluster: the targets of {split!r} are multi-label; NMI, ARI and matched "
                     "accuracy need one class per example."
                 )
+            svm.require_two_classes(
+                data,
+                f"{field}={split!r} (layer {layer!r})",
+                field,
+                "NMI, ARI and matched accuracy against a single class score 100 (or 0) "
+                "whatever the clustering",
+            )
             if split == ccfg.train_split and ccfg.num_clusters > len(data):
                 raise ValueError(
                     f"cluster.num_clusters={ccfg.num_clusters} is more than the {len(data)} "
@@ -70,8 +77,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
                 )
 
 
-def _splits(ccfg) -> tuple[str, ...]:
-    return (ccfg.train_split,) + ((ccfg.test_split,) if ccfg.test_split else ())
+def _splits(ccfg) -> dict[str, str]:
+    """{field: split} of the splits scored: the train split, and the test split if set."""
+    splits = {"cluster.train_split": ccfg.train_split}
+    if ccfg.test_split:
+        splits["cluster.test_split"] = ccfg.test_split
+    return splits
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -86,7 +97,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     writer = make_writer(workdir)
     results: dict[str, Any] = {"evaluator": "cluster", "layers": {}}
     for layer in ccfg.layers:
-        train = svm.load_split(ccfg.features_dir, ccfg.train_split, layer)
+        train = svm.load_split(ccfg.features_dir, ccfg.train_split, layer, "cluster.train_split")
         classes = int(train.targets.max()) + 1
         k = ccfg.num_clusters or classes
         data = clustering.shard_rows(
@@ -109,7 +120,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             },
         }
         if ccfg.test_split:
-            test = svm.load_split(ccfg.features_dir, ccfg.test_split, layer)
+            test = svm.load_split(ccfg.features_dir, ccfg.test_split, layer, "cluster.test_split")
             test_data = clustering.shard_rows(
                 test.features, mesh, normalize=ccfg.normalize, chunk_rows=ccfg.chunk_rows
             )

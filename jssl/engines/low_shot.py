@@ -59,9 +59,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
         or not (math.isfinite(cost) and cost > 0)
     ):
         raise ValueError(f"low_shot.cost={cost!r} must be a finite number > 0, e.g. 1.0.")
-    for train, test in svm_engine.load_pairs(config).values():
+    for layer, (train, test) in svm_engine.load_pairs(config).items():
         svm.resolve_metric(config.svm.metric, train.multi_label)
-        low_shot.check_ks(train.targets, ks, svm.num_classes(train, test))
+        where = f"svm.train_split={config.svm.train_split!r} (layer {layer!r})"
+        svm.require_two_classes(
+            train, where, "svm.train_split", "one-vs-rest SVMs need at least two"
+        )
+        classes = svm.num_classes(train, test)
+        if train.multi_label and classes < 2:
+            raise ValueError(
+                f"The multi-label targets of {where} have one class: a low-shot sample draws "
+                "(C - 1) * k = 0 negatives, so its SVM has nothing to tell the class from. "
+                "Evaluate features of a dataset with two classes or more (svm.train_split)."
+            )
+        low_shot.check_ks(train.targets, ks, classes)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:

@@ -62,8 +62,12 @@ def load_pairs(config: ml_collections.ConfigDict, field: str = "svm"):
     section = config[field]
     pairs = {}
     for layer in section.layers:
-        train = svm.load_split(section.features_dir, section.train_split, layer)
-        test = svm.load_split(section.features_dir, section.test_split, layer)
+        train = svm.load_split(
+            section.features_dir, section.train_split, layer, f"{field}.train_split"
+        )
+        test = svm.load_split(
+            section.features_dir, section.test_split, layer, f"{field}.test_split"
+        )
         svm.check_pair(train, test, f"{field}.layers {layer!r}")
         pairs[layer] = (train, test)
     return pairs
@@ -95,23 +99,6 @@ def features_record(features_dir: str, layer: str) -> dict[str, Any]:
         record["checkpoint_step_note"] = source.get(
             "checkpoint_step_note",
             f"not recorded: {root} has no source.json naming the checkpoint read",
-        )
-    return record
-    checkpoint = config.get("init", {}).get("checkpoint", "")
-    match = re.search(r"checkpoints/(\d+)/?$", checkpoint)
-    record.update(
-        checkpoint=checkpoint,
-        checkpoint_step=int(match.group(1)) if match else None,
-        trunk=config.get("model", {}).get("trunk"),
-        image_size=config.get("data", {}).get("image_size"),
-        data_source=config.get("data", {}).get("source"),
-        dataset=config.get("data", {}).get("name") or config.get("data", {}).get("source"),
-        pool=layer_pool(config.get("extract", {}).get("pool", "none"), layer),
-    )
-    if not match:
-        record["checkpoint_step_note"] = (
-            "not recorded: extract_features read the newest readable checkpoint of "
-            "init.checkpoint and does not write its step"
         )
     return record
 
@@ -159,20 +146,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     require_section(config, "svm", "configs/svm.py")
     svm.check_settings(config.svm)
     check_inputs(config)
-    folds = config.svm.cross_val_folds
     for layer, (train, test) in load_pairs(config).items():
         svm.resolve_metric(config.svm.metric, train.multi_label)
-        classes = svm.num_classes(train, test)
-        for cls in range(classes):
-            y, _ = svm.binary_targets(train.targets, cls, test=False)
-            positives = int((y == 1).sum())
-            if min(positives, len(y) - positives) < folds:
-                raise ValueError(
-                    f"Class {cls} of {layer!r} has {positives} positive and "
-                    f"{len(y) - positives} negative train examples, fewer than "
-                    f"svm.cross_val_folds={folds}: each fold needs both. Lower "
-                    "--config.svm.cross_val_folds or use a larger svm.train_split."
-                )
+        svm.check_train_classes(
+            train,
+            svm.num_classes(train, test),
+            config.svm.cross_val_folds,
+            f"svm.train_split={config.svm.train_split!r} (layer {layer!r})",
+        )
 
 
 def targets_record(train: svm.SplitFeatures, classes: int) -> str:

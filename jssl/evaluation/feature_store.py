@@ -105,7 +105,9 @@ def write_split_info(
     os.replace(path + ".partial", path)
 
 
-def load_features(features_dir: str, split: str, layers: Sequence[str]) -> features.Features:
+def load_features(
+    features_dir: str, split: str, layers: Sequence[str], field: str = ""
+) -> features.Features:
     """Features written by ``extract_features`` (``<dir>/<name>/<layer>_{features,targets,
     inds}.npy``, VISSL's layout), the feature arrays memory-mapped so a bank larger than RAM
     streams from disk. Rows are checked to be the same examples in every layer.
@@ -115,22 +117,33 @@ def load_features(features_dir: str, split: str, layers: Sequence[str]) -> featu
     that slice or of any extraction of the same split that covers it (the whole split
     included), as recorded in the directories' ``split.json``; a slice no directory covers,
     or one asked of directories without ``split.json`` (which cannot say which examples they
-    hold), is refused.
+    hold), is refused. A refusal lists what the directory holds; ``field`` (the config field
+    that named ``split``, e.g. "svm.train_split") lets it name the flag that reads it.
     """
     if os.path.isdir(os.path.join(features_dir, "features")):  # an extract_features workdir
         features_dir = os.path.join(features_dir, "features")
     match = re.fullmatch(r"(.*?)\[.*\].*", split)
     if not match:
-        return _read_layers(os.path.join(features_dir, split_dir_name(split)), split, layers)
+        split_dir = os.path.join(features_dir, split_dir_name(split))
+        if not os.path.isdir(split_dir):
+            raise FileNotFoundError(_missing_split(features_dir, split, field))
+        return _read_layers(split_dir, split, layers)
 
     base = match.group(1)
     infos = _split_infos(features_dir, base)
     if not infos:
+        held = _held(features_dir)
+        if not held:
+            raise FileNotFoundError(_missing_split(features_dir, split, field))
+        listing = "; ".join(_describe(name, info) for name, info in held)
+        whole = any(name == split_dir_name(base) for name, _ in held)
+        ask = f"--config.{field}='{base}'" if field else f"the whole split {base!r}"
         raise FileNotFoundError(
             f"No features of split {base!r} in {features_dir} record which examples they hold "
-            f"(no {SPLIT_INFO} beside them), so the slice {split!r} cannot be selected. "
-            f"Extract it with --config.extract.splits='{split}' (or the whole split), or ask "
-            f"for the whole split {base!r}."
+            f"(a {SPLIT_INFO} beside them), so the slice {split!r} cannot be selected; it holds "
+            f"{listing}. Extract the slice with --config.extract.splits='(\"{split}\",)' (or "
+            "the whole split)"
+            + (f", or evaluate the whole split it holds: {ask}." if whole else ".")
         )
     base_size = infos[0][1]["base_num_examples"]
     start, end = _absolute_bounds(split, base, base_size)
@@ -141,7 +154,9 @@ def load_features(features_dir: str, split: str, layers: Sequence[str]) -> featu
         held = ", ".join(f"{name} [{i['start']}:{i['end']}]" for name, i in infos)
         raise FileNotFoundError(
             f"No extracted features of {base!r} cover {split!r} (examples [{start}:{end}]); "
-            f"{features_dir} holds {held}. Extract it with --config.extract.splits='{split}'."
+            f"{features_dir} holds {held}. Extract it with "
+            f"--config.extract.splits='(\"{split}\",)'"
+            + (f", or set --config.{field} to a slice they hold." if field else ".")
         )
     # The exact slice if it was extracted, else the smallest extraction that holds it.
     name, info = min(covering, key=lambda c: (c[1]["end"] - c[1]["start"], c[0]))
@@ -226,11 +241,15 @@ def _read_layers(split_dir: str, split: str, layers: Sequence[str]) -> features.
         path = prefix + "features.npy"
         if not os.path.exists(path):
             available = _available(split_dir)
+            found = (
+                f"its layers: {', '.join(available)}"
+                if available
+                else "the directory holds no <layer>_features.npy"
+            )
             raise FileNotFoundError(
                 f"No features of layer {layer!r} for split {split!r}: {path} does not exist "
-                f"(found: {available or 'nothing'}). Extract them first with "
-                "--config=configs/extract_features.py, or point the features directory at an "
-                "extract_features workdir's features/ folder."
+                f"({found}). Evaluate one of the layers extracted, or extract this one with "
+                "--config=configs/extract_features.py (extract.layers)."
             )
         feats[layer] = np.load(path, mmap_mode="r")
         layer_labels = np.load(prefix + "targets.npy").reshape(-1).astype(np.int32)
@@ -254,3 +273,57 @@ def _available(directory: str) -> list[str]:
     if not os.path.isdir(directory):
         return []
     return sorted(f[: -len("_features.npy")] for f in os.listdir(directory) if "_features" in f)
+
+
+def _missing_split(features_dir: str, split: str, field: str) -> str:
+    """The refusal of a whole split no directory of ``features_dir`` holds: what it does hold
+    and, when that is a slice of the same split, the slice (and ``field``'s flag) that reads it."""
+    held = _held(features_dir)
+    if not held:
+        state = "holds no split directories" if os.path.isdir(features_dir) else "does not exist"
+        return (
+            f"No features of split {split!r}: {features_dir} {state}. Extract them first with "
+            "--config=configs/extract_features.py, or point the features directory at an "
+            "extract_features workdir (or its features/ folder)."
+        )
+    listing = "; ".join(_describe(name, info) for name, info in held)
+    message = (
+        f"No features of the whole split {split!r}: "
+        f"{os.path.join(features_dir, split_dir_name(split))} does not exist. "
+        f"{features_dir} holds {listing}."
+    )
+    slices = [_slice_spec(info) for _, info in held if info and info.get("base") == split]
+    if slices:
+        ask = f"set --config.{field}=" if field else "ask for the split "
+        message += f" To evaluate an extracted slice, {ask}'{slices[0]}'" + (
+            f" (or {', '.join(repr(s) for s in slices[1:])})." if len(slices) > 1 else "."
+        )
+    return message + (
+        f" To evaluate the whole split, extract it: --config.extract.splits='(\"{split}\",)'."
+    )
+
+
+def _held(features_dir: str) -> list[tuple[str, dict | None]]:
+    """(name, split.json or None) of every directory under ``features_dir``."""
+    if not os.path.isdir(features_dir):
+        return []
+    names = sorted(
+        n for n in os.listdir(features_dir) if os.path.isdir(os.path.join(features_dir, n))
+    )
+    return [(name, load_json(os.path.join(features_dir, name, SPLIT_INFO))) for name in names]
+
+
+def _describe(name: str, info: dict | None) -> str:
+    if not info:
+        return f"{name} (no {SPLIT_INFO}: which examples it holds is not recorded)"
+    if info["start"] == 0 and info["end"] == info["base_num_examples"]:
+        return f"{name} (the whole {info['base']!r})"
+    return (
+        f"{name} (examples [{info['start']}:{info['end']}] of the "
+        f"{info['base_num_examples']} of {info['base']!r})"
+    )
+
+
+def _slice_spec(info: dict) -> str:
+    """The TFDS slice of an extraction's bounds: "train[:64]", "test[10:20]"."""
+    return f"{info['base']}[{info['start'] or ''}:{info['end']}]"

@@ -93,11 +93,17 @@ def check_ks(targets: np.ndarray, ks: Sequence[int], classes: int, field="low_sh
             counts = f"{int(positives[cls])} positive"
             if negatives is not None:
                 counts += f" and {int(negatives[cls])} negative"
+            fix = (
+                f"The largest k every class allows is {largest}: drop the larger ks."
+                if largest >= 1
+                else "No k can be drawn: use a train split (svm.train_split) with examples of "
+                "every class."
+            )
             raise ValueError(
                 f"{field}={tuple(ks)}: k={k} examples per class cannot be drawn for class {cls}, "
                 f"which has {counts} train examples (a sample needs k positives"
                 + (f" and {classes - 1} * k negatives" if negatives is not None else "")
-                + f"). The largest k every class allows is {largest}: drop the larger ks."
+                + f"). {fix}"
             )
 
 

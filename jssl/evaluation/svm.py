@@ -141,11 +141,12 @@ class SplitFeatures:
         return len(self.indices)
 
 
-def load_split(features_dir: str, split: str, layer: str) -> SplitFeatures:
+def load_split(features_dir: str, split: str, layer: str, field: str = "") -> SplitFeatures:
     """``layer``'s features of ``split`` from an extract_features workdir (or its
     ``features/``): a split or slice through ``feature_store.load_features``, or a whole split
     whose ``<layer>_targets.npy`` is VISSL's ``(n, C)`` multi-label matrix, which the feature
-    store's reader (one class id per row) does not read."""
+    store's reader (one class id per row) does not read. ``field`` names the config field of
+    ``split`` in the refusal of a split that is not there."""
     features_dir = features_root(features_dir)
     if "[" not in split:
         directory = os.path.join(features_dir, feature_store.split_dir_name(split))
@@ -162,7 +163,7 @@ def load_split(features_dir: str, split: str, layer: str) -> SplitFeatures:
                     f"{split!r} is a slice of a split with multi-label targets ({name}); "
                     "slices of multi-label features are not read yet: evaluate the whole split."
                 )
-    loaded = feature_store.load_features(features_dir, split, [layer])
+    loaded = feature_store.load_features(features_dir, split, [layer], field)
     feats = loaded.features[layer]
     return SplitFeatures(feats.reshape(len(feats), -1), loaded.labels, loaded.indices)
 
@@ -214,6 +215,55 @@ def check_pair(train: SplitFeatures, test: SplitFeatures, what: str) -> None:
         )
     if not train.multi_label and len(train) and train.targets.min() < 0:
         raise ValueError(f"{what}: negative class ids in the train targets.")
+
+
+def require_two_classes(split: SplitFeatures, where: str, field: str, why: str) -> None:
+    """Single-label targets must hold two classes or more: one class makes every one-vs-rest
+    problem one-sided and every clustering score trivial. ``where`` names the split (e.g.
+    "svm.train_split='train[:64]' (layer 'avgpool')"), ``field`` its config field, ``why``
+    what needs two classes."""
+    if split.multi_label:
+        return
+    present = np.unique(split.targets)
+    if len(present) >= 2:
+        return
+    held = f"one class, {int(present[0])}," if len(present) else "no class:"
+    raise ValueError(
+        f"The targets of {where} hold {held} in {len(split)} examples: {why}. Evaluate the "
+        "features of a split with at least two classes: extract one with "
+        "--config=configs/extract_features.py (extract.splits; the first examples of a dataset "
+        f"stored class by class, such as an image folder, are all of one class) and set "
+        f"--config.{field} to it."
+    )
+
+
+def check_train_classes(train: SplitFeatures, classes: int, folds: int, where: str) -> None:
+    """Every class's SVM can be trained and cross-validated: two classes or more, and each
+    class with at least ``folds`` positive and ``folds`` negative train examples (each
+    stratified fold needs both). Raises naming the class with the fewest; the advice to lower
+    ``svm.cross_val_folds`` is given only where that helps (folds cannot go below 2)."""
+    require_two_classes(train, where, "svm.train_split", "one-vs-rest SVMs need at least two")
+    counts = []
+    for cls in range(classes):
+        y, _ = binary_targets(train.targets, cls, test=False)
+        positives = int((y == 1).sum())
+        counts.append((min(positives, len(y) - positives), cls, positives, len(y) - positives))
+    fewest, cls, positives, negatives = min(counts, default=(folds, 0, 0, 0))
+    if fewest >= folds:
+        return
+    found = (
+        f"Class {cls} has {positives} positive and {negatives} negative train examples in {where}"
+    )
+    if fewest >= 2:
+        raise ValueError(
+            f"{found}, fewer than svm.cross_val_folds={folds}: each fold needs both. Lower "
+            f"--config.svm.cross_val_folds to {fewest} or use a larger svm.train_split."
+        )
+    raise ValueError(
+        f"{found}: cross-validating its cost needs at least 2 of each (svm.cross_val_folds "
+        ">= 2), so no number of folds can. Use a train split (svm.train_split) in which every "
+        f"class has at least {folds} examples with it and {folds} without it."
+    )
 
 
 def _describe(split: SplitFeatures) -> str:
@@ -332,12 +382,6 @@ def decision(x: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 def _train_class(x, targets, cls, settings: Settings) -> dict[str, Any]:
     y, _ = binary_targets(targets, cls, test=False)
-    if (y == 1).sum() < settings.cross_val_folds or (y == -1).sum() < settings.cross_val_folds:
-        raise ValueError(
-            f"Class {cls} has {(y == 1).sum()} positive and {(y == -1).sum()} negative train "
-            f"examples, fewer than svm.cross_val_folds={settings.cross_val_folds}: lower the "
-            "folds or use a larger train split."
-        )
     cv_ap = cross_validated_ap(x, y, settings, settings.cross_val_folds)
     best = int(np.argmax(cv_ap))  # the first of equal scores, as VISSL's np.argmax
     cost = settings.costs[best]
@@ -352,6 +396,7 @@ def train_and_test(
     Returns ``{"ap" (C,), "cv_ap" (C, costs), "costs" (C,), "scores" (n_test, C)}``: each
     class's test AP (NaN without a positive), its cross-validated AP per cost, its chosen
     cost and its decision function on the test split."""
+    check_train_classes(train, classes, settings.cross_val_folds, "the train split")
     x_train = l2_normalize(train.features) if settings.normalize else np.asarray(train.features)
     x_test = l2_normalize(test.features) if settings.normalize else np.asarray(test.features)
     jobs = [(x_train, train.targets, cls, settings) for cls in range(classes)]

@@ -147,6 +147,7 @@ if __name__ == "__main__":
 def _config(root, **overrides):
     config = cluster_config.get_config("test")
     config.cluster.features_dir = root
+    config.cluster.train_split, config.cluster.test_split = "train", "test"  # features_dir()'s
     config.update_from_flattened_dict(overrides)
     return config
 

@@ -132,6 +132,7 @@ def test_costs_are_chosen_by_cross_validation_on_the_sample_alone():
 def _config(root, **overrides):
     config = low_shot_config.get_config("test")
     config.svm.features_dir = root
+    config.svm.train_split, config.svm.test_split = "train", "test"  # features_dir()'s
     config.update_from_flattened_dict(overrides)
     return config
 

@@ -182,6 +182,7 @@ def test_load_split_reads_multi_label_targets_and_refuses_bad_ones(tmp_path):
 def _config(root, **overrides):
     config = svm_config.get_config("test")
     config.svm.features_dir = root
+    config.svm.train_split, config.svm.test_split = "train", "test"  # features_dir()'s
     config.update_from_flattened_dict(overrides)
     return config
 
