@@ -31,7 +31,7 @@ from jssl.data import device_augment
 from jssl.engines import evaluate
 from jssl.engines import knn as knn_engine
 from jssl.evaluation import monitor
-from jssl.training import accumulation, collapse, finite, preemption, probe, summaries
+from jssl.training import accumulation, batch_norm, collapse, finite, preemption, probe, summaries
 from jssl.training import batches as batches_lib
 from jssl.training import state as train_state
 from jssl.training.fresh import abstract_state as abstract_state  # re-exported for callers
@@ -57,6 +57,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     parallel.check_batch_divisible(config.data.batch_size)
     accumulation.check_config(config)
+    batch_norm.check_config(config)
     checkpoint.check_config(config.checkpoint)
     collapse.check_config(config)
     data.crop_groups(config.data)
