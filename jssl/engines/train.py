@@ -171,7 +171,7 @@ def run(
         profile = None
         if config.debug.profile:
             profile = periodic_actions.Profile(logdir=workdir, num_profile_steps=5)
-        checks = functools.partial(_check_finite, manager=manager, workdir=workdir, plan=plan)
+        checks = finite.Guard(manager, workdir, plan.steps_per_epoch)
         write_metrics = periodic_actions.PeriodicCallback(
             every_steps=plan.log_every_steps,
             on_steps=[plan.max_steps],
@@ -214,6 +214,9 @@ def run(
             previous = metrics  # the metrics of the step before, whose stop flag is read
             batch = parallel.host_batch_to_global(host_batch, mesh)
             state, metrics = train_step(state, batch, stop_flags(mesh, stop_request.requested))
+            checks.keep(step, epoch, index, host_batch)
+            if previous is not None and not np.isfinite(float(previous["loss"])):
+                checks(state, step)  # one step late: that step's batch is still kept
             window.metrics.append(metrics)
             progress = Progress.after(step, epoch, index, plan)
 
@@ -304,17 +307,6 @@ def check_splits(config: ml_collections.ConfigDict) -> None:
 
 def _stop_agreed(metrics: dict | None) -> bool:
     return metrics is not None and bool(int(metrics["stop"]))
-
-
-def _check_finite(state, step: int, *, manager, workdir: str, plan: Plan) -> None:
-    """finite.check, naming the newest checkpoint (after the save in flight) when it fails."""
-
-    def newest_checkpoint() -> str:
-        checkpoint.finish(manager)
-        saved = checkpoint.saved_steps(workdir)
-        return f"step {saved[-1]} in {checkpoint.checkpoint_dir(workdir)}" if saved else ""
-
-    finite.check(state, step, plan.steps_per_epoch, newest_checkpoint)
 
 
 def _write_metrics(

@@ -161,9 +161,12 @@ def make_train_step(
 
         # A non-finite loss or gradient (the method's or the online probe's) keeps the
         # previous state and records the step, so the host can stop with a precise message
-        # and the last checkpoint stays valid. One cond rather than a select per leaf of the
-        # state: the selects (and the flag each recomputed) were a fifth of the step's HLO.
-        new_state = jax.lax.cond(finite, updated, kept, state)
+        # and the last checkpoint stays valid; so do the steps after it until the host stops,
+        # which leaves the state of the last good step to save. One cond rather than a select
+        # per leaf of the state: the selects (and the flag each recomputed) were a fifth of
+        # the step's HLO.
+        healthy = finite & (state.nonfinite_step < 0)
+        new_state = jax.lax.cond(healthy, updated, kept, state)
         metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))
         return new_state, metrics
 
