@@ -154,6 +154,29 @@ def make_workdir(workdir: str) -> None:
         ) from None
 
 
+def lock_holder(workdir: str) -> dict[str, Any] | None:
+    """Who holds ``workdir``'s lock (the pid, host, start and command it wrote; {} before it
+    wrote them), or None when no process does: how a follower tells that its training is
+    gone. The probe opens the lock file read-only (never creating it), asks for a shared lock
+    without waiting, which fails while the run holds its exclusive one, and drops it at once;
+    a launch that tries the lock in that instant is refused. Never call it on a workdir this
+    process has locked: on NFS, closing any descriptor of a file drops all its locks."""
+    path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None  # no run ever locked this workdir
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            return _read_holder(fd)
+        raise
+    finally:
+        os.close(fd)  # releases the probe's shared lock, if it got one
+    return None
+
+
 def check_is_own(workdir: str) -> None:
     """Refuses an existing ``workdir`` that holds files (hidden ones aside: ``.DS_Store``,
     ``.ipynb_checkpoints``) but none of ``OWN_NAMES``: a run there would write its config,
