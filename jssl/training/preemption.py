@@ -12,13 +12,21 @@ of the step before the one it just dispatched, so the check costs no extra host 
 Ctrl-C (SIGINT) is the same request made by hand: the first one stops the run as SIGTERM
 does, with a checkpoint; a second one means "stop now" and raises KeyboardInterrupt at once
 (the step being saved is then lost; the checkpoints before it stay).
+
+Engines run by another engine (the evaluate engine's evaluators, the train engine's ``evals``)
+enter their own ``Preemption`` inside the caller's: a request made before the inner one
+starts is already set in it, and one made while it runs is handed back to the caller when it
+ends, so both stop.
 """
 
 from __future__ import annotations
 
 import signal
 
+import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 # sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry". The launcher
 # exits with it when a run stopped on SIGTERM (or a first Ctrl-C) after saving its
@@ -27,6 +35,7 @@ from absl import logging
 PREEMPTED_EXIT_CODE = 75
 
 _NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C (SIGINT)"}
+_ACTIVE: list[Preemption] = []  # the entered contexts, outermost first
 
 
 class Preemption:
@@ -50,7 +59,7 @@ class Preemption:
                 )
             again = " Press Ctrl-C again to stop at once, without saving."
         logging.warning(
-            "%s received: stopping at the step all processes agree on, saving a checkpoint "
+            "%s received: stopping at the step all processes agree on, saving what is done "
             "and exiting with status %d; rerun the same command to resume.%s",
             _NAMES[signum],
             PREEMPTED_EXIT_CODE,
@@ -60,6 +69,9 @@ class Preemption:
         self.signal_name = self.signal_name or _NAMES[signum]
 
     def __enter__(self) -> Preemption:
+        if _ACTIVE:
+            self._take(_ACTIVE[-1])
+        _ACTIVE.append(self)
         for signum in _NAMES:
             try:
                 self._previous[signum] = signal.signal(signum, self._stop_after_saving)
@@ -71,3 +83,33 @@ class Preemption:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        _ACTIVE.remove(self)
+        if _ACTIVE:
+            _ACTIVE[-1]._take(self)
+
+    def _take(self, other: Preemption) -> None:
+        """Adopts ``other``'s request (and its Ctrl-C count: a second one stops at once)."""
+        self.requested = self.requested or other.requested
+        self.signal_name = self.signal_name or other.signal_name
+        self._interrupts = max(self._interrupts, other._interrupts)
+
+
+def agreed(requested: bool) -> bool:
+    """Whether any process asked to stop, the same answer on every process: for loops with no
+    step to carry the flag (``process_allgather``, a collective: every process calls it at
+    the same point of the loop; free on one process)."""
+    if jax.process_count() == 1:
+        return requested
+    return bool(np.max(multihost_utils.process_allgather(np.int32(requested))))
+
+
+def stop_agreed() -> bool:
+    """``agreed`` for the innermost Preemption entered (False outside any): for engines run
+    by another engine, between two pieces of work (every process calls it at the same point)."""
+    return agreed(bool(_ACTIVE) and _ACTIVE[-1].requested)
+
+
+def requested_here() -> bool:
+    """This process's own view of the innermost Preemption's request (no collective): for
+    cutting a wait short, the agreed decision then taken by ``stop_agreed``."""
+    return bool(_ACTIVE) and _ACTIVE[-1].requested
