@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,6 +46,7 @@ from jssl.checkpoints import manager as checkpoint
 from jssl.data import sources
 from jssl.evaluation import feature_store, features, frozen, pooling
 from jssl.evaluation.batches import eval_batches
+from jssl.training import preemption
 
 SOURCE_FILE = "source.json"  # in workdir/features: the checkpoint read and its step
 
@@ -120,6 +122,12 @@ class _SplitWriter:
             self.arrays[f"{layer}_targets"][rows] = labels
             self.arrays[f"{layer}_inds"][rows] = indices + self.offset
 
+    def abort(self) -> None:
+        """Removes the partial files of a split left unfinished (a stop request)."""
+        for name in list(self.arrays):
+            del self.arrays[name]
+            os.remove(self._partial(name))
+
     def finish(self, allow_missing: bool) -> int:
         """Flushes and renames the files into place; returns the number of rows written."""
         missing = np.flatnonzero(~self.seen)
@@ -172,7 +180,9 @@ def _extract_split(
     extract_fn: Callable,
     variables: Any,
     mesh: jax.sharding.Mesh,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
+    """Extracts ``split`` into its directory under ``workdir/features``; returns its summary,
+    or None when a stop request ended it (its partial files removed)."""
     ecfg = config.extract
     source = sources.resolve_split(config.data, split)
     num = source.num_examples
@@ -205,6 +215,13 @@ def _extract_split(
     log_every = max(1, config.log_every_steps)
     done = 0
     for step, (feats, labels, indices) in enumerate(stream, 1):
+        if preemption.stop_agreed():  # every process stops at the same batch
+            if writer is not None:
+                writer.abort()
+            logging.warning(
+                "Stopped extracting %s after %d of %d batches.", split, step - 1, num_batches
+            )
+            return None
         if writer is not None:
             writer.write(feats, labels, indices)
         done += len(indices)
@@ -266,28 +283,39 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Extracts ``config.extract.layers`` of every split in ``config.extract.splits``.
 
     Returns ``{split: {"directory", "num_examples", "shapes", "seconds",
-    "images_per_sec"}}``.
+    "images_per_sec"}}``, or ``{"preempted": True}`` when SIGTERM or a first Ctrl-C stopped
+    it between two batches: the splits finished are kept, the one in progress is removed, and
+    a rerun of the same command extracts only what is missing (splits that an earlier run of
+    the same config on the same checkpoint finished are kept, ``_kept_split``).
     """
     validate(config)
     ecfg = config.extract
     layers = tuple(ecfg.layers)
     pools = pooling.layer_pools(ecfg.pool, layers)
-    mesh = parallel.make_mesh()
-    # The trunk alone unless the head's output is asked for (see jssl.evaluation.frozen).
-    path = _checkpoint_path(config, workdir)
-    model, variables, source = frozen.load_frozen_model_recorded(config, mesh, layers, path=path)
-    extract_fn = make_extract_fn(model, layers, pools)
-    if jax.process_index() == 0:
-        os.makedirs(os.path.join(workdir, "features"), exist_ok=True)
-        with open(os.path.join(workdir, "features", "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-        # Which checkpoint (and training step) of init.checkpoint the features come from.
-        with open(os.path.join(workdir, "features", SOURCE_FILE), "w") as f:
-            json.dump(source, f, indent=2)
-
-    summary = {}
-    for split in ecfg.splits:
-        summary[split] = _extract_split(config, workdir, split, extract_fn, variables, mesh)
+    with preemption.Preemption() as stop_request:
+        mesh = parallel.make_mesh()
+        # The trunk alone unless the head's output is asked for (see jssl.evaluation.frozen).
+        path = _checkpoint_path(config, workdir)
+        model, variables, source = frozen.load_frozen_model_recorded(
+            config, mesh, layers, path=path
+        )
+        extract_fn = make_extract_fn(model, layers, pools)
+        same_run = _record_run(config, workdir, source)
+        summary = {}
+        for split in ecfg.splits:
+            kept = _kept_split(config, workdir, split) if same_run else None
+            summary[split] = kept or _extract_split(
+                config, workdir, split, extract_fn, variables, mesh
+            )
+            if summary[split] is None:
+                logging.warning(
+                    "Stopped by %s; the splits extracted so far are kept in %s/features. Rerun "
+                    "the same command to extract the rest (exit status %d).",
+                    stop_request.signal_name or "SIGTERM",
+                    workdir,
+                    preemption.PREEMPTED_EXIT_CODE,
+                )
+                return {"preempted": True}
     lines = [f"Features of {path} ({config.model.trunk}) in {workdir}/features:"]
     for split, s in summary.items():
         dims = ", ".join(f"{layer} {s['shapes'][layer]}" for layer in layers)
@@ -299,3 +327,58 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     if jax.process_index() == 0:
         print("\n".join(lines), flush=True)
     return summary
+
+
+def _record_run(config: ml_collections.ConfigDict, workdir: str, source: dict) -> bool:
+    """Writes ``features/config.json`` and ``source.json``; returns whether an earlier run
+    wrote the same ones (the same settings on the same checkpoint step), whose finished
+    splits can then be kept. Otherwise the split directories this run writes are removed
+    first, so that no split of an earlier extraction is ever mistaken for one of this one."""
+    directory = os.path.join(workdir, "features")
+    settings = config.to_json_best_effort(indent=2, sort_keys=True)
+    recorded = json.dumps(source, indent=2, sort_keys=True)
+    same = _read(os.path.join(directory, "config.json")) == settings
+    same = same and _read(os.path.join(directory, SOURCE_FILE)) == recorded
+    if jax.process_index() == 0 and not same:
+        for split in config.extract.splits:
+            bounds = feature_store.split_bounds(config.data, split)
+            shutil.rmtree(feature_store.output_dir(workdir, split, bounds), ignore_errors=True)
+        os.makedirs(directory, exist_ok=True)
+        for name, text in (("config.json", settings), (SOURCE_FILE, recorded)):
+            with open(os.path.join(directory, name + ".partial"), "w") as f:
+                f.write(text)
+            os.replace(os.path.join(directory, name + ".partial"), os.path.join(directory, name))
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jssl_extract_start")
+    return same
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _kept_split(config: ml_collections.ConfigDict, workdir: str, split: str) -> dict | None:
+    """The summary of ``split`` when an earlier run of this config finished it (every layer's
+    three files in place), else None."""
+    bounds = feature_store.split_bounds(config.data, split)
+    directory = feature_store.output_dir(workdir, split, bounds)
+    layers = tuple(config.extract.layers)
+    names = [f"{layer}_{kind}.npy" for layer in layers for kind in feature_store.KINDS]
+    if not all(os.path.exists(os.path.join(directory, name)) for name in names):
+        return None
+    shapes = {
+        layer: tuple(np.load(os.path.join(directory, f"{layer}_features.npy"), mmap_mode="r").shape)
+        for layer in layers
+    }
+    logging.info("Kept %s: extracted by an earlier run of the same config (%s).", split, directory)
+    return {
+        "directory": directory,
+        "num_examples": shapes[layers[0]][0],
+        "shapes": {layer: shape[1:] for layer, shape in shapes.items()},
+        "seconds": 0.0,
+        "images_per_sec": 0.0,
+    }
