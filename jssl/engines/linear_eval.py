@@ -39,10 +39,14 @@ of the steps after an epoch's last full window), a checkpoint of the (small) hea
 end of every epoch and every ``checkpoint.every_steps``, an evaluation phase every
 ``test_every_epochs`` before the last (of the held-out part, or of the test split when
 nothing is held out), and a restart with the same workdir resumes where it left off.
+SIGTERM or a first Ctrl-C (jssl.training.preemption) stops it after the step in progress
+with the heads saved (or between two batches of the final evaluation, whose heads are saved
+already) and exit status 75; the rerun resumes to the same heads and figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -61,7 +65,7 @@ from jssl.evaluation import linear, linear_grid, pooling, robustness_sets
 from jssl.evaluation.feature_store import load_features
 from jssl.evaluation.results import make_writer, write_results
 from jssl.training import batches as batches_lib
-from jssl.training import probe
+from jssl.training import preemption, probe
 from jssl.training.progress import Plan, Progress, Window
 
 PyTree = Any
@@ -93,7 +97,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         for split in (config.data.train_split, config.data.test_split):
             labels = load_features(lcfg.cached_features, split, layers[:1]).labels
             found = int(labels.max()) + 1 if len(labels) else 0
-            _check_classes(config, f"The cached features of split {split!r} have", labels, found)
+            inputs_lib.check_classes(
+                config, f"The cached features of split {split!r} have", labels, found
+            )
             if split == config.data.train_split:  # the held-out part leaves a batch
                 limit = config.data.train_subset
                 n = min(len(labels), limit) if limit > 0 else len(labels)
@@ -112,58 +118,88 @@ def validate(config: ml_collections.ConfigDict) -> None:
         # The dataset's metadata, as the online probe's check (jssl.training.probe).
         found = probe.dataset_num_classes(config.data, split)
         if found is not None:
-            _check_classes(config, f"The split {split!r} has", None, found)
+            inputs_lib.check_classes(config, f"The split {split!r} has", None, found)
     inputs_lib.image_splits(config)  # the held-out part can be cut, and leaves a batch
     if extra_sets:
-        _check_extra_sets(config, extra_sets)
-
-
-def _check_classes(
-    config: ml_collections.ConfigDict, subject: str, labels: np.ndarray | None, found: int
-) -> None:
-    """A label outside [0, linear.num_classes) makes the heads' loss NaN from the first step."""
-    num_classes = config.linear.num_classes
-    if labels is not None and len(labels) and labels.min() < 0:
-        raise ValueError(
-            f"{subject} negative labels (down to {labels.min()}): the heads need labels in "
-            f"[0, linear.num_classes); re-extract the features with the right labels."
-        )
-    if found > num_classes:
-        raise ValueError(
-            f"{subject} {found} classes but linear.num_classes={num_classes}: every label "
-            f"needs an output of the heads. Set --config.linear.num_classes={found}."
-        )
-
-
-def _check_extra_sets(config: ml_collections.ConfigDict, extra_sets: tuple) -> None:
-    """Each set's labels must be the heads' classes, by name (ImageNet's WordNet ids)."""
-    if len(set(extra_sets)) != len(extra_sets):
-        raise ValueError(f"linear.extra_test_sets={extra_sets} lists a set twice.")
-    trained = robustness_sets.label_names_of(config.data, config.data.train_split)
-    for spec in extra_sets:
-        if not isinstance(spec, str):
-            raise ValueError(f"linear.extra_test_sets entry {spec!r} must be a string.")
-        names = inputs_lib.extra_set_label_names(config, spec)
-        if trained is None or tuple(trained) != tuple(names):
-            what = "unnamed classes" if trained is None else f"{len(trained)} other classes"
-            raise ValueError(
-                f"linear.extra_test_sets entry {spec!r} is labelled with {len(names)} classes "
-                f"({', '.join(names[:3])}, ...), but the heads are trained on {what} "
-                f"(data.source={config.data.source!r}, data.name={config.data.name!r}): its "
-                "labels would not index the heads' outputs. Train on the dataset the set "
-                "shares its labels with (ImageNet's: data.name='imagenet2012') or drop it "
-                "from linear.extra_test_sets."
-            )
-        robustness_sets.class_subset(robustness_sets.parse(spec)[0], names)
+        inputs_lib.check_extra_sets(config, extra_sets)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Trains the heads; returns ``{"results": {layer: {"top1", "top5"}} (the chosen heads
-    on the test split), "record" (results.json), "step", "state", "trunk_variables"}``."""
+    on the test split), "record" (results.json), "step", "state", "trunk_variables"}``, or
+    ``{"preempted": True, "step"}`` when SIGTERM or a first Ctrl-C stopped it: the heads are
+    saved at that step, results.json is not written, and a rerun resumes."""
     validate(config)
+    # A stop request from here on (loading the trunk, compiling) is acted on at the first step.
+    with preemption.Preemption() as stop_request:
+        mesh = parallel.make_mesh()
+        parts = _setup(config, mesh)
+        manager, state, position, resumed = checkpoint.resume(
+            workdir, config.checkpoint, parts.state
+        )
+        if resumed:
+            logging.info("Resumed the linear heads from step %d.", int(state.step))
+        writer = make_writer(workdir)
+        try:
+            with checkpoint.closing(manager):  # an error or a stop waits for the save in flight
+                state, step = _train_heads(
+                    config, parts, mesh, manager, state, position, writer, stop_request
+                )
+            record, results = _final(config, parts, mesh, state, step, stop_request)
+        except _Stopped as stopped:
+            writer.flush()
+            logging.warning(
+                "Stopped by %s at step %d with the heads saved; rerun the same command to "
+                "resume (exit status %d).",
+                stop_request.signal_name or "SIGTERM",
+                stopped.step,
+                preemption.PREEMPTED_EXIT_CODE,
+            )
+            return {"preempted": True, "step": stopped.step}
+    writer.write_scalars(step, record_lib.scalars(record))
+    writer.flush()
+    write_results(workdir, record)
+    return {
+        "results": results,
+        "record": record,
+        "step": step,
+        "state": state,
+        "trunk_variables": parts.inputs.trunk_variables,
+    }
+
+
+class _Stopped(Exception):
+    """A stop request (SIGTERM, a first Ctrl-C) that every process agreed on, acted on after
+    the heads' state of ``step`` is saved."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped at step {step}")
+        self.step = step
+
+
+def _check_stop(stop_request: preemption.Preemption, state) -> None:
+    """Raises _Stopped when any process was asked to stop (a collective on several)."""
+    if preemption.agreed(stop_request.requested):
+        raise _Stopped(int(jax.device_get(state.step)))
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What the loop and the final evaluation share: the heads, their inputs and grid."""
+
+    layers: tuple[str, ...]
+    heads: linear.LinearHeads
+    inputs: inputs_lib.Inputs
+    grid: linear_grid.Grid
+    grid_opt: linear_grid.GridOptimizer
+    plan: Plan
+    state: Any  # the fresh state (replicated), before any resume
+
+
+def _setup(config: ml_collections.ConfigDict, mesh) -> _Parts:
+    """The inputs (trunk and images, or cached features), the grid and the fresh heads."""
     lcfg = config.linear
     layers = tuple(lcfg.layers)
-    mesh = parallel.make_mesh()
     if lcfg.cached_features:
         inputs = inputs_lib.cached_inputs(config, mesh)
     else:
@@ -182,7 +218,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     )
     if tuple(lcfg.lrs):
         logging.info("optim.base_lr is not used: the grid's linear.lrs=%s are.", grid.lrs)
-
     heads = linear.LinearHeads(
         layers, lcfg.num_classes, bn_axis_name=parallel.DATA_AXIS if lcfg.sync_bn else None
     )
@@ -195,16 +230,32 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         lambda: linear.init_state(heads, grid_opt, inputs.shapes, rng),
         out_shardings=parallel.replicated(mesh),
     )()
+    return _Parts(layers, heads, inputs, grid, grid_opt, plan, state)
 
-    manager, state, position, resumed = checkpoint.resume(workdir, config.checkpoint, state)
-    if resumed:
-        logging.info("Resumed the linear heads from step %d.", int(state.step))
 
-    train_step = linear.make_train_step(heads, grid_opt, mesh, inputs.features_fn)
-    eval_step = linear.make_eval_step(heads, grid, mesh, inputs.features_fn)
+def _evaluator(parts: _Parts, mesh, stop_request, classes=None):
+    """``(batches, state, what) -> (totals, scores)`` of the heads (over ``classes`` only,
+    for a robustness set), stopping between batches on an agreed stop request."""
+    step_fn = linear.make_eval_step(
+        parts.heads, parts.grid, mesh, parts.inputs.features_fn, classes
+    )
+    return functools.partial(
+        _evaluate,
+        step_fn,
+        parts.inputs.trunk_variables,
+        parts.grid,
+        parts.layers,
+        stop=stop_request,
+    )
+
+
+def _train_heads(config, parts: _Parts, mesh, manager, state, position, writer, stop_request):
+    """The loop over the steps; returns (state, steps done). An agreed stop request saves the
+    step just trained and raises _Stopped."""
+    plan, inputs, grid = parts.plan, parts.inputs, parts.grid
+    train_step = linear.make_train_step(parts.heads, parts.grid_opt, mesh, inputs.features_fn)
+    evaluate = _evaluator(parts, mesh, stop_request)
     trunk = inputs.trunk_variables
-    evaluate = functools.partial(_evaluate, eval_step, trunk, grid, layers)
-    writer = make_writer(workdir)
     report_progress = periodic_actions.ReportProgress(
         num_train_steps=plan.total_steps, writer=writer, every_steps=plan.log_every_steps
     )
@@ -234,6 +285,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if write_metrics(step, progress=progress, window=window):
             window = Window()
         save_in_epoch(step, state=state, progress=progress)
+        if preemption.agreed(stop_request.requested):
+            checkpoint.save(manager, state, progress.next, force=True)
+            raise _Stopped(step)
         epoch_done = progress.next.epoch == epoch + 1
         if not (epoch_done or step >= plan.max_steps):
             continue
@@ -246,19 +300,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         if epoch_done and epoch + 1 in plan.test_epochs:  # the final heads: after the loop
             _periodic_phase(writer, step, epoch, grid, evaluate, inputs, state)
     checkpoint.finish(manager)
-    manager.close()
-
-    record, results = _final(config, grid, heads, mesh, evaluate, inputs, state, step)
-    writer.write_scalars(step, _scalars(record))
-    writer.flush()
-    write_results(workdir, record)
-    return {
-        "results": results,
-        "record": record,
-        "step": step,
-        "state": state,
-        "trunk_variables": trunk,
-    }
+    return state, step
 
 
 def _write_metrics(writer, *, progress: Progress, window: Window) -> None:
@@ -279,10 +321,13 @@ def _save_in_epoch(manager, *, state, progress: Progress) -> None:
         checkpoint.save(manager, state, progress.next)
 
 
-def _evaluate(eval_step, trunk, grid, layers, batches, state, what: str):
-    """(summed counts, ``{layer: [{"top1", "top5"} per grid point]}``) over ``batches``."""
+def _evaluate(eval_step, trunk, grid, layers, batches, state, what: str, *, stop=None):
+    """(summed counts, ``{layer: [{"top1", "top5"} per grid point]}``) over ``batches``;
+    raises _Stopped between two batches once ``stop`` (a Preemption) is agreed on."""
     totals = None
     for batch in batches:
+        if stop is not None:
+            _check_stop(stop, state)
         out = eval_step(state, trunk, batch)
         totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
     if totals is None:
@@ -307,9 +352,11 @@ def _periodic_phase(writer, step, epoch, grid, evaluate, inputs, state) -> None:
     writer.write_scalars(step, scalars)
 
 
-def _final(config, grid, heads, mesh, evaluate, inputs, state, step):
+def _final(config, parts: _Parts, mesh, state, step: int, stop_request):
     """Selection on the held-out part, the test split and the extra sets: (record, results)."""
-    lcfg, layers = config.linear, tuple(config.linear.layers)
+    lcfg, layers = config.linear, parts.layers
+    grid, inputs = parts.grid, parts.inputs
+    evaluate = _evaluator(parts, mesh, stop_request)
     held_out = None
     if inputs.held_out_batches is not None:
         held_out = evaluate(inputs.held_out_batches(), state, "held-out part")[1]
@@ -323,14 +370,9 @@ def _final(config, grid, heads, mesh, evaluate, inputs, state, step):
         names = robustness_sets.label_names_of(dcfg, split)
         classes = robustness_sets.class_subset(name, names)
         if classes not in set_steps:  # one compiled step per class subset
-            set_steps[classes] = linear.make_eval_step(
-                heads, grid, mesh, inputs.features_fn, classes
-            )
-        step_fn = set_steps[classes]
+            set_steps[classes] = _evaluator(parts, mesh, stop_request, classes)
         batches = inputs_lib.image_batches(config, split, mesh, dcfg)
-        set_totals, set_scores = _evaluate(
-            step_fn, inputs.trunk_variables, grid, layers, batches, state, f"set {spec!r}"
-        )
+        set_totals, set_scores = set_steps[classes](batches, state, f"set {spec!r}")
         extra[spec] = (classes, set_totals, set_scores)
 
     record: dict[str, Any] = {
@@ -338,51 +380,18 @@ def _final(config, grid, heads, mesh, evaluate, inputs, state, step):
         "reference": record_lib.REFERENCE,
         "layers": {},
     }
-    results = {}
     for layer in layers:
-        point = chosen[layer]
-        figures = test[layer][point.index]
-        results[layer] = dict(figures)
-        entry = {
-            "protocol": record_lib.protocol(
-                config, inputs, grid, layer, point, steps=step, num_test=int(totals["count"])
-            ),
-            "selection": record_lib.selection(grid, inputs),
-            **figures,
-            "chosen": {"lr": point.lr, "weight_decay": point.weight_decay, "tag": point.tag},
-            "grid": record_lib.grid_rows(
-                grid, None if held_out is None else held_out[layer], finite[layer], point
-            ),
-        }
-        if lcfg.report_all:
-            entry["test_every_point"] = record_lib.all_points(grid, test[layer])
-        if extra:
-            entry["extra_test_sets"] = {
-                spec: record_lib.extra_set_record(
-                    spec, classes, lcfg.num_classes, set_totals, set_scores[layer][point.index]
-                )
-                for spec, (classes, set_totals, set_scores) in extra.items()
-            }
-        record["layers"][layer] = entry
-        shown = ", ".join(
-            f"{spec} {v['top1']:.2f}" for spec, v in entry.get("extra_test_sets", {}).items()
-        )
-        logging.info(
-            "Linear eval %s (%s): top-1 %.2f, top-5 %.2f%s",
+        record["layers"][layer] = record_lib.layer_record(
+            config,
+            inputs,
+            grid,
             layer,
-            point.tag,
-            figures["top1"],
-            figures["top5"],
-            f"; {shown}" if shown else "",
+            chosen[layer],
+            steps=step,
+            test=(totals, test[layer]),
+            held_out=None if held_out is None else held_out[layer],
+            finite=finite[layer],
+            extra={spec: (c, t, scores[layer]) for spec, (c, t, scores) in extra.items()},
         )
+    results = {layer: {k: e[k] for k in ("top1", "top5")} for layer, e in record["layers"].items()}
     return record, results
-
-
-def _scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The chosen heads' test figures (``test/<layer>/top1``) and the extra sets'."""
-    out = {}
-    for layer, entry in record["layers"].items():
-        out.update({f"test/{layer}/{k}": entry[k] for k in ("top1", "top5")})
-        for spec, figures in entry.get("extra_test_sets", {}).items():
-            out.update({f"extra/{spec}/{layer}/{k}": figures[k] for k in ("top1", "top5")})
-    return out

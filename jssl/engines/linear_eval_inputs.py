@@ -1,6 +1,6 @@
 """What the linear_eval engine reads: the frozen trunk (and which checkpoint step it is) or
 cached features, and the batches of the train split, of its held-out part, of the test split
-and of the extra test sets.
+and of the extra test sets; and the start-up checks of their labels against the heads'.
 
 The held-out part (``linear.val_fraction``) is the last ``round(val_fraction * n)`` examples
 of the train split (after ``data.train_subset``) in its stored order, the heads training on
@@ -346,3 +346,42 @@ def check_cached_hold_out(config: ml_collections.ConfigDict) -> None:
             "end is not a sample of every class. Set --config.linear.val_fraction=0 with a "
             "one-point grid, or extract a TFDS dataset."
         )
+
+
+def check_classes(
+    config: ml_collections.ConfigDict, subject: str, labels: np.ndarray | None, found: int
+) -> None:
+    """A label outside [0, linear.num_classes) makes the heads' loss NaN from the first step."""
+    num_classes = config.linear.num_classes
+    if labels is not None and len(labels) and labels.min() < 0:
+        raise ValueError(
+            f"{subject} negative labels (down to {labels.min()}): the heads need labels in "
+            f"[0, linear.num_classes); re-extract the features with the right labels."
+        )
+    if found > num_classes:
+        raise ValueError(
+            f"{subject} {found} classes but linear.num_classes={num_classes}: every label "
+            f"needs an output of the heads. Set --config.linear.num_classes={found}."
+        )
+
+
+def check_extra_sets(config: ml_collections.ConfigDict, extra_sets: tuple) -> None:
+    """Each set's labels must be the heads' classes, by name (ImageNet's WordNet ids)."""
+    if len(set(extra_sets)) != len(extra_sets):
+        raise ValueError(f"linear.extra_test_sets={extra_sets} lists a set twice.")
+    trained = robustness_sets.label_names_of(config.data, config.data.train_split)
+    for spec in extra_sets:
+        if not isinstance(spec, str):
+            raise ValueError(f"linear.extra_test_sets entry {spec!r} must be a string.")
+        names = extra_set_label_names(config, spec)
+        if trained is None or tuple(trained) != tuple(names):
+            what = "unnamed classes" if trained is None else f"{len(trained)} other classes"
+            raise ValueError(
+                f"linear.extra_test_sets entry {spec!r} is labelled with {len(names)} classes "
+                f"({', '.join(names[:3])}, ...), but the heads are trained on {what} "
+                f"(data.source={config.data.source!r}, data.name={config.data.name!r}): its "
+                "labels would not index the heads' outputs. Train on the dataset the set "
+                "shares its labels with (ImageNet's: data.name='imagenet2012') or drop it "
+                "from linear.extra_test_sets."
+            )
+        robustness_sets.class_subset(robustness_sets.parse(spec)[0], names)

@@ -18,6 +18,7 @@ from typing import Any
 
 import ml_collections
 import numpy as np
+from absl import logging
 
 from jssl import optim
 from jssl.engines import svm as svm_engine
@@ -203,3 +204,64 @@ def extra_set_record(
         },
         **figures,
     }
+
+
+def layer_record(
+    config: ml_collections.ConfigDict,
+    inputs: Inputs,
+    grid: linear_grid.Grid,
+    layer: str,
+    point: linear_grid.Point,
+    *,
+    steps: int,
+    test: tuple[Mapping[str, Any], Sequence[Mapping[str, float]]],
+    held_out: Sequence[Mapping[str, float]] | None,
+    finite: Sequence[bool],
+    extra: Mapping[str, tuple],
+) -> dict:
+    """The entry of ``layer``: its chosen ``point``'s test figures (``test``: the test split's
+    totals and every point's figures) with their protocol, the grid, and the extra sets
+    (``{spec: (classes, totals, every point's figures)}``); logged as well."""
+    lcfg = config.linear
+    totals, points = test
+    figures = points[point.index]
+    entry = {
+        "protocol": protocol(
+            config, inputs, grid, layer, point, steps=steps, num_test=int(totals["count"])
+        ),
+        "selection": selection(grid, inputs),
+        **figures,
+        "chosen": {"lr": point.lr, "weight_decay": point.weight_decay, "tag": point.tag},
+        "grid": grid_rows(grid, held_out, finite, point),
+    }
+    if lcfg.report_all:
+        entry["test_every_point"] = all_points(grid, points)
+    if extra:
+        entry["extra_test_sets"] = {
+            spec: extra_set_record(
+                spec, classes, lcfg.num_classes, set_totals, set_scores[point.index]
+            )
+            for spec, (classes, set_totals, set_scores) in extra.items()
+        }
+    shown = ", ".join(
+        f"{spec} {v['top1']:.2f}" for spec, v in entry.get("extra_test_sets", {}).items()
+    )
+    logging.info(
+        "Linear eval %s (%s): top-1 %.2f, top-5 %.2f%s",
+        layer,
+        point.tag,
+        figures["top1"],
+        figures["top5"],
+        f"; {shown}" if shown else "",
+    )
+    return entry
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The chosen heads' test figures (``test/<layer>/top1``) and the extra sets'."""
+    out = {}
+    for layer, entry in record["layers"].items():
+        out.update({f"test/{layer}/{k}": entry[k] for k in ("top1", "top5")})
+        for spec, figures in entry.get("extra_test_sets", {}).items():
+            out.update({f"extra/{spec}/{layer}/{k}": figures[k] for k in ("top1", "top5")})
+    return out
