@@ -5,10 +5,13 @@ checkpoint of a training workdir as it appears (VISSL's benchmark-suite schedule
 .torch/.pth/.safetensors file). A workdir is read at its newest complete checkpoint, named by
 its step dir so that every record carries the step; with ``evaluate.follow=True`` every
 checkpoint of it is evaluated in order as the training saves it, until the training has
-finished (it writes ``train_finished.json``) or nothing new came for
-``evaluate.idle_minutes``. Evaluators that read extracted features share one extraction per
-checkpoint and dataset (``<workdir>/evals/<step>/features_<n>``, removed afterwards unless
-``evaluate.keep_features``).
+finished (it writes ``train_finished.json``); a training that is gone, or silent for
+``evaluate.idle_minutes``, stops the follower with an error (jssl.engines.evaluate_follow).
+Evaluators that read extracted features share one extraction per checkpoint and dataset
+(``<workdir>/evals/<step>/features_<n>``, removed afterwards unless
+``evaluate.keep_features``). SIGTERM or a first Ctrl-C stops it between two evaluators (or
+inside one that stops on it: linear_eval, extract_features), exit status 75; a rerun runs
+only what is not done.
 
 ``workdir/results.json``: ``{"evaluator": "evaluate", "timeline": [{"checkpoint",
 "checkpoint_step", "evals": {name: {"protocol": {...}, "results": {...}}}}, ...]}``, one
@@ -21,6 +24,7 @@ checkpoints (``at_checkpoint``) when its config has ``evals``.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import shutil
@@ -31,13 +35,14 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
-from jssl.checkpoints import manager, weights
+from jssl.checkpoints import manager
+from jssl.engines import evaluate_follow as follow
 from jssl.evaluation import evaluators
 from jssl.evaluation.results import load_json, make_writer, write_results
+from jssl.training import preemption
 
-FINISHED_FILE = "train_finished.json"  # written by the train engine when its last step is done
+FINISHED_FILE = follow.FINISHED_FILE  # written by the train engine when its last step is done
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -79,23 +84,41 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Evaluates ``init.checkpoint`` (or follows it); returns what results.json holds."""
+    """Evaluates ``init.checkpoint`` (or follows it); returns what results.json holds, plus
+    ``preempted`` when SIGTERM or a first Ctrl-C stopped it between two evaluators or polls
+    (a rerun continues). A follower that stops before the training finished raises
+    evaluate_follow.FollowError, after evaluating and writing every complete checkpoint."""
     validate(config)
     results = load_json(os.path.join(workdir, "results.json")) or {}
     timeline = results.get("timeline", [])
     writer = make_writer(workdir)
-    if config.evaluate.follow:
-        timeline = _follow(config, workdir, timeline, writer)
-    else:
-        checkpoint = evaluators.resolve(config.init.checkpoint)
-        row = at_checkpoint(config, workdir, checkpoint, writer=writer)
-        timeline = [r for r in timeline if r["checkpoint"] != row["checkpoint"]] + [row]
+    with preemption.Preemption() as stop_request:
+        if config.evaluate.follow:
+            evaluate_at = functools.partial(at_checkpoint, config, workdir, writer=writer)
+            timeline, preempted, problem = follow.follow(config, workdir, timeline, evaluate_at)
+        else:
+            checkpoint = evaluators.resolve(config.init.checkpoint)
+            row = at_checkpoint(config, workdir, checkpoint, writer=writer)
+            preempted, problem = bool(row.get("preempted")), ""
+            if not preempted:
+                timeline = [r for r in timeline if r["checkpoint"] != row["checkpoint"]] + [row]
     writer.flush()
     out = {"evaluator": "evaluate", "source": os.path.abspath(config.init.checkpoint)}
     out["timeline"] = timeline
     write_results(workdir, out)
     if jax.process_index() == 0:
         print(summary_table(timeline), flush=True)
+    if preempted:
+        logging.warning(
+            "Stopped by %s with every finished evaluation kept in %s; rerun the same command "
+            "to continue (exit status %d).",
+            stop_request.signal_name or "SIGTERM",
+            workdir,
+            preemption.PREEMPTED_EXIT_CODE,
+        )
+        return dict(out, preempted=True)
+    if problem:
+        raise follow.FollowError(problem)
     return out
 
 
@@ -136,7 +159,10 @@ def at_checkpoint(
 ) -> dict[str, Any]:
     """Every due evaluator of ``config.evals`` on ``checkpoint`` (a step dir or weights file):
     the timeline row ``{"checkpoint", "checkpoint_step", "evals"}``. ``epoch`` (training):
-    only entries due after that epoch run (``evaluators.due``), on the run's own model."""
+    only entries due after that epoch run (``evaluators.due``), on the run's own model. A stop
+    request (SIGTERM, a first Ctrl-C) ends it between two evaluators, or inside one that
+    stops on it: the row then has ``"preempted": True`` and the finished evaluators only
+    (each keeps its results.json, so a rerun runs the others)."""
     training = epoch is not None
     step = evaluators.checkpoint_step(checkpoint)
     tag = f"step_{step}" if step is not None else os.path.basename(checkpoint.rstrip("/"))
@@ -146,22 +172,29 @@ def at_checkpoint(
         for name, entry, _ in evaluators.entries(config)
         if not training or evaluators.due(entry, epoch, last)
     ]
-    features = _extract(config, base, checkpoint, names, training)
     row: dict[str, Any] = {"checkpoint": os.path.abspath(checkpoint), "checkpoint_step": step}
     row["evals"] = {}
+    todo = [n for n in names if load_json(os.path.join(base, n, "results.json")) is None]
+    features = _extract(config, base, checkpoint, todo, training)
+    if features is None:  # the extraction stopped on a stop request
+        return dict(row, preempted=True)
     from jssl import engines
 
     for name in names:
         evaluator = evaluators.get(config.evals[name], name)
         sub = evaluators.engine_config(config, name, checkpoint, training=training)
-        if evaluator.features:
+        if evaluator.features and name in todo:
             sub[evaluator.features].features_dir = features[_group(sub)]
         out_dir = os.path.join(base, name)
         done = load_json(os.path.join(out_dir, "results.json"))
         if done is None:
+            if preemption.stop_agreed():
+                return dict(row, preempted=True)
             engines.validate(sub)
             logging.info("Evaluating %s (%s) on %s", name, sub.engine, checkpoint)
             done = engines.engine_function(sub.engine)(sub, out_dir)
+            if done.get("preempted"):  # stopped inside; its own rerun continues it
+                return dict(row, preempted=True)
             done = {k: v for k, v in done.items() if k != "state"}
         record = {"protocol": evaluators.protocol(sub, name, evaluator, training)}
         # What the engine itself read (the test loss: the trained run's data) wins.
@@ -233,6 +266,15 @@ def after_epoch(
         return
     step_dir = os.path.join(manager.checkpoint_dir(workdir), str(step))
     row = at_checkpoint(config, workdir, step_dir, writer=writer, epoch=epoch, last=last)
+    if row.get("preempted"):  # the train loop stops at its next step on the same request
+        logging.warning(
+            "The evaluators after epoch %d were stopped by a stop request before %s finished; "
+            "training resumes after this checkpoint and does not run them again: run "
+            "engine=evaluate with --config.init.checkpoint=%s for them.",
+            epoch,
+            ", ".join(sorted(set(config.evals) - set(row["evals"]))),
+            step_dir,
+        )
     path = os.path.join(workdir, "evals", "results.json")
     timeline = (load_json(path) or {}).get("timeline", [])
     timeline = [r for r in timeline if r["checkpoint_step"] != step] + [row]
@@ -268,7 +310,8 @@ def _extract(
     config: ml_collections.ConfigDict, base: str, checkpoint: str, names, training: bool
 ) -> dict[str, str]:
     """One ``extract_features`` run per group of feature-reading evaluators: the union of
-    their layers and splits. Returns ``{group: features workdir}``."""
+    their layers and splits. Returns ``{group: features workdir}``, None when a stop request
+    ended an extraction."""
     from jssl.engines import extract_features
 
     groups: dict[str, tuple[ml_collections.ConfigDict, set, set]] = {}
@@ -285,8 +328,6 @@ def _extract(
     for number, (key, (sub, layers, splits)) in enumerate(sorted(groups.items())):
         directory = os.path.join(base, f"features_{number}")
         out[key] = directory
-        if os.path.exists(os.path.join(directory, "features", "config.json")):
-            continue  # extracted before an interruption
         ext = copy.deepcopy(sub)
         ext.engine = "extract_features"
         ext.extract.layers = tuple(sorted(layers))
@@ -296,76 +337,10 @@ def _extract(
             "Extracting %s of %s from %s", ext.extract.layers, ext.extract.splits, checkpoint
         )
         extract_features.validate(ext)
-        extract_features.run(ext, directory)
+        # Splits extracted before an interruption are kept (extract_features.run).
+        if extract_features.run(ext, directory).get("preempted"):
+            return None
     return out
-
-
-def _follow(config, workdir: str, timeline: list, writer) -> list:
-    """Evaluates each complete checkpoint of the followed workdir once, oldest first."""
-    source = config.init.checkpoint
-    e = config.evaluate
-    done = {row["checkpoint_step"] for row in timeline}
-    idle_since = time.monotonic()
-    while True:
-        steps = _agreed(_complete_steps(source))
-        new = [s for s in steps if s not in done]
-        for step in new:
-            step_dir = os.path.join(manager.checkpoint_dir(source), str(step))
-            try:
-                row = at_checkpoint(config, workdir, step_dir, writer=writer)
-            except weights.WeightsError as err:
-                if os.path.isdir(os.path.join(step_dir, "state")):
-                    raise
-                logging.warning("Checkpoint %d was removed before it was evaluated: %s", step, err)
-                row = {"checkpoint": step_dir, "checkpoint_step": step, "skipped": "removed"}
-            timeline.append(row)
-            done.add(step)
-            write_results(
-                workdir, {"evaluator": "evaluate", "source": source, "timeline": timeline}
-            )
-            idle_since = time.monotonic()
-        if new:
-            continue
-        finished = load_json(os.path.join(source, FINISHED_FILE))
-        if finished is not None and finished.get("step") in done | {None}:
-            logging.info("The followed training finished at step %s.", finished.get("step"))
-            return timeline
-        if finished is not None and finished.get("step") not in steps:
-            logging.warning(
-                "The followed training finished at step %s, which has no checkpoint here.",
-                finished.get("step"),
-            )
-            return timeline
-        if time.monotonic() - idle_since > 60 * e.idle_minutes:
-            logging.warning(
-                "No new checkpoint in %s for %s minutes and no %s: stopping; rerun the same "
-                "command to go on following it.",
-                source,
-                e.idle_minutes,
-                FINISHED_FILE,
-            )
-            return timeline
-        time.sleep(e.poll_seconds)
-
-
-def _complete_steps(source: str) -> list[int]:
-    directory = manager.checkpoint_dir(source)
-    return [
-        s
-        for s in manager.saved_steps(source)
-        if os.path.isdir(os.path.join(directory, str(s), "state"))
-    ]
-
-
-def _agreed(steps: list[int]) -> list[int]:
-    """Process 0's list of steps on every process (a shared file system may show a new
-    checkpoint to one process before another; the evaluations are collective)."""
-    if jax.process_count() == 1:
-        return steps
-    padded = np.full(4096, -1, np.int64)
-    padded[: min(len(steps), 4096)] = steps[-4096:]
-    agreed = multihost_utils.broadcast_one_to_all(padded)
-    return [int(s) for s in agreed if s >= 0]
 
 
 def _jsonable(value: Any) -> Any:
