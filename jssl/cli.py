@@ -5,10 +5,15 @@ r"""The ``jssl`` command (and ``python launch.py``): flags, process set-up, one 
 
 ``--config`` is a path to a config file, relative to the working directory; the checkout it
 lives in is put on ``sys.path`` so that its ``from configs import base`` resolves from any
-directory. Multi-host: run the same command on every host with --coordinator_address=HOST:PORT
---num_processes=N --process_id=I (or let SLURM / TPU pods provide them). An override the
-field cannot take (``--config.data.batch_size=abc``, ``--config.data.augment.num_crops=abc``)
-fails before anything runs, naming the field, the value and the type it takes (``parse_flags``).
+directory. An override the field cannot take (``--config.data.batch_size=abc``,
+``--config.data.augment.num_crops=abc``) fails before anything runs, naming the field, the value
+and the type it takes (``parse_flags``).
+
+Multi-host: run the same command on every host with --coordinator_address=HOST:PORT
+--num_processes=N --process_id=I (or let SLURM / TPU pods provide them). A process that fails
+stops them all, each naming the one that failed and why (jssl.process.stop_together); one that
+waits longer than --initialization_timeout seconds for the others to connect stops, saying what
+it waited for (jssl.parallel.initialize).
 
 Exit status: 0 finished, 75 stopped by SIGTERM (or a first Ctrl-C) after saving a checkpoint
 (rerun the same command to resume), anything else a failure.
@@ -34,6 +39,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, logs and out
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-host run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_INITIALIZATION_TIMEOUT = flags.DEFINE_integer(
+    "initialization_timeout",
+    300,
+    "Multi-host: seconds each process waits for all --num_processes to connect to the "
+    "coordinator before it exits (status 1) saying what it waited for.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -217,16 +228,22 @@ def _main(argv: list[str]) -> None:
     from jssl import engines, parallel
 
     process.hide_accelerators_from_tensorflow()
-    parallel.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    engines.engine_function(_CONFIG.value.engine)  # imports the engine's modules
-    process.freeze_imports()
-    logging.info(
-        "jssl: %d process(es), %d device(s) (%s)",
-        jax.process_count(),
-        jax.device_count(),
-        jax.devices()[0].platform,
+    parallel.initialize(
+        _COORDINATOR.value,
+        _NUM_PROCESSES.value,
+        _PROCESS_ID.value,
+        initialization_timeout=_INITIALIZATION_TIMEOUT.value,
     )
-    summary = engines.run(_CONFIG.value, _WORKDIR.value, explicit=overridden_fields(sys.argv))
+    with process.stop_together():  # one process's error stops every process of the run
+        engines.engine_function(_CONFIG.value.engine)  # imports the engine's modules
+        process.freeze_imports()
+        logging.info(
+            "jssl: %d process(es), %d device(s) (%s)",
+            jax.process_count(),
+            jax.device_count(),
+            jax.devices()[0].platform,
+        )
+        summary = engines.run(_CONFIG.value, _WORKDIR.value, explicit=overridden_fields(sys.argv))
     # 75 = preempted after saving a checkpoint: rerun the same command to resume.
     sys.exit(engines.exit_status(summary))
 

@@ -12,6 +12,8 @@ collectives. ``after`` orders collectives that nothing else orders (XLA's CPU ru
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,12 +50,15 @@ def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    initialization_timeout: int = 300,
 ) -> None:
     """Starts ``jax.distributed`` when this is a multi-process run.
 
     Multi-process when a coordinator is given explicitly, or when the cluster environment
     (SLURM, TPU pods, ...) lets ``jax.distributed.initialize()`` discover one. On a CPU
-    cluster (or the tests' localhost processes) the gloo collectives are used.
+    cluster (or the tests' localhost processes) the gloo collectives are used. A process that
+    waits more than ``initialization_timeout`` seconds for the others to connect exits with
+    status 1 and a line saying what it waited for (``_connect_deadline``).
     """
     explicit = coordinator_address is not None
     if not explicit and (num_processes is not None or process_id is not None):
@@ -61,16 +66,26 @@ def initialize(
             "--num_processes/--process_id were given without --coordinator_address: pass all "
             "three (HOST:PORT of process 0) for a multi-host run, or none for a single process."
         )
+    if initialization_timeout < 1:
+        raise ValueError(
+            f"--initialization_timeout={initialization_timeout} must be at least 1 (seconds)."
+        )
     cluster = None if explicit else _cluster_environment()
     if not explicit and cluster is None:
         return
     # Only the CPU backend reads this; it lets CPU-only clusters (and the tests) all-reduce.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    deadline = _connect_deadline(
+        initialization_timeout, coordinator_address, num_processes, process_id
+    )
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,
             num_processes=num_processes,
             process_id=process_id,
+            # jax's own deadline aborts the process with a C++ stack dump that says only
+            # "another task died"; it is left as a backstop behind jssl's.
+            initialization_timeout=initialization_timeout + _JAX_BACKSTOP_S,
         )
     except (RuntimeError, ValueError) as e:
         if explicit:
@@ -81,6 +96,8 @@ def initialize(
             "--num_processes and --process_id explicitly, or unset the cluster variables "
             f"({', '.join(_CLUSTER_KEYS[cluster])}) to run a single process."
         ) from e
+    finally:
+        deadline.cancel()
     logging.info(
         "jax.distributed: process %d of %d, %d local / %d global devices",
         jax.process_index(),
@@ -88,6 +105,66 @@ def initialize(
         jax.local_device_count(),
         jax.device_count(),
     )
+
+
+# Seconds jax.distributed's own connection deadline runs after jssl's (see ``initialize``).
+_JAX_BACKSTOP_S = 30
+
+
+def _connect_deadline(
+    timeout_s: int, address: str | None, num_processes: int | None, process_id: int | None
+) -> threading.Timer:
+    """A started timer that, unless cancelled within ``timeout_s``, logs which connection this
+    process waited for and how to fix it, and exits the process with status 1.
+
+    jax.distributed's connection is one call that waits for every process; when it gives up it
+    aborts with a C++ stack dump that says "another task died", naming neither the processes
+    missing (it does not tell them) nor the setting to raise. This message gives what is known:
+    the count, the coordinator's address, and whether anything answers there.
+    """
+
+    def give_up() -> None:
+        me = "This process" if process_id is None else f"Process {process_id}"
+        count = "all the processes" if num_processes is None else f"all {num_processes} processes"
+        where = address or "the coordinator the cluster environment names"
+        # jax.distributed does not say which processes are missing; of two, it is the other.
+        missing = "not all did (jax.distributed does not say which)"
+        if num_processes == 2 and process_id == 0:
+            missing = "process 1 did not"
+        message = (
+            f"{me} waited {timeout_s} s (--initialization_timeout) for {count} of the run to "
+            f"connect to the coordinator at {where}, and {missing}. "
+        )
+        if process_id != 0 and address is not None and not _answers(address):
+            message += (
+                f"Nothing answers at {address}: process 0, which runs the coordinator, has not "
+                "started or cannot be reached from this host at that address. "
+            )
+        if num_processes is not None:
+            message += (
+                f"Start every process with the same --coordinator_address and "
+                f"--num_processes={num_processes}, each with its own --process_id in 0.."
+                f"{num_processes - 1}; "
+            )
+        message += "raise --initialization_timeout if some processes start later."
+        logging.error("%s", message)
+        logging.flush()
+        os._exit(1)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _answers(address: str) -> bool:
+    """Whether something accepts a TCP connection at ``HOST:PORT`` (within 2 s)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 _CLUSTER_KEYS = {

@@ -109,3 +109,12 @@ def scalar_values(logdir, tag: str) -> dict[int, float]:
                 if value.tag == tag:
                     values[event.step] = float(_tf().make_ndarray(value.tensor))
     return values
+
+
+def free_port() -> int:
+    """A TCP port of localhost that nothing listens on (for a test's coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
