@@ -5,7 +5,9 @@ r"""The ``jssl`` command (and ``python launch.py``): flags, process set-up, one 
 
 ``--config`` is a path to a config file, relative to the working directory; the checkout it
 lives in is put on ``sys.path`` so that its ``from configs import base`` resolves from any
-directory. An override the field cannot take (``--config.data.batch_size=abc``,
+directory, and a config file outside a checkout imports the ``configs`` package installed with
+jssl (a module it imports that Python cannot find fails naming the file and the fix). An
+override the field cannot take (``--config.data.batch_size=abc``,
 ``--config.data.augment.num_crops=abc``) fails before anything runs, naming the field, the value
 and the type it takes (``parse_flags``).
 
@@ -73,6 +75,10 @@ class ConfigOverrideError(flags.IllegalFlagValueError):
     """A ``--config.<field>=<value>`` whose value the field cannot take."""
 
 
+class ConfigImportError(flags.IllegalFlagValueError):
+    """A config file that imports a module Python cannot find."""
+
+
 def parse_flags(
     argv: list[str], flag_values: flags.FlagValues = flags.FLAGS, config_name: str = "config"
 ) -> list[str]:
@@ -88,8 +94,33 @@ def parse_flags(
         remaining = flag_values(argv)
     except flags.IllegalFlagValueError as error:
         raise _reworded(error, argv, flag_values, config_name) from None
+    except ImportError as error:
+        raise ConfigImportError(_import_error_message(argv, error)) from error
     _check_tuple_overrides(flag_values, config_name, argv)
     return remaining
+
+
+def _import_error_message(argv: list[str], error: ImportError) -> str:
+    """What to do about a config file whose import of ``error.name`` failed."""
+    paths = [value.split(":", 1)[0] for value in _given(argv, "config")]
+    where = f"The config file {paths[-1]}" if paths else "A config file"
+    message = f"{where} cannot be loaded: {error}. "
+    name = error.name or ""
+    if name != "configs" and not name.startswith("configs."):
+        return message + "Install the module it imports, or add its folder to PYTHONPATH."
+    try:
+        import configs
+    except ImportError:
+        return message + (
+            "jssl's recipes (configs.base, configs.moco, ...) are installed with jssl, and a "
+            "config file inside a checkout's configs/ folder imports that checkout's: reinstall "
+            "jssl (pip install <checkout>), or put the config file there."
+        )
+    return message + (
+        f"The configs package found is jssl's recipes in {os.path.dirname(configs.__file__)}; "
+        "import one of its modules (base, recipes, moco, ...), or put a module of your own on "
+        "PYTHONPATH under another name."
+    )
 
 
 def overridden_fields(argv: list[str]) -> list[str]:
