@@ -143,7 +143,7 @@ def _gone(source: str, steps: list[int]) -> str:
         f"wrote no {FINISHED_FILE}"
     )
     if not steps:
-        return _no_checkpoint(source, f"its training is not running ({why})")
+        return _no_checkpoint(source, f"its training is not running: {why}")
     return (
         f"evaluate.follow: the training in {source} stopped without finishing: {why}. Every "
         f"complete checkpoint it left is evaluated, the last at step {steps[-1]}. Rerun the "
