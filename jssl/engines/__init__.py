@@ -33,6 +33,12 @@ ENGINES = (
 )
 
 
+# The engines that act on a stop request themselves (SIGTERM, a first Ctrl-C): they save
+# what is done at an agreed point and return ``preempted``. The others keep nothing worth
+# saving part of: a stop ends them where they are, before their results are written.
+STOP_CLEANLY = ("train", "linear_eval", "extract_features", "evaluate")
+
+
 def exit_status(summary: dict[str, Any]) -> int:
     """The process exit status for an engine's summary: 0 when it finished, 75
     (``preemption.PREEMPTED_EXIT_CODE``) when it stopped on SIGTERM or a first Ctrl-C after
@@ -143,7 +149,21 @@ def run(
     source_model.adopt(config, workdir, explicit)
     validate(config)
     enable_compilation_cache(config)
-    if name == "extract_features":
+    if name in STOP_CLEANLY:
+        return _run_locked(run_engine, config, workdir)
+    from jssl.training import preemption
+
+    try:
+        with preemption.stop_at_once():
+            return _run_locked(run_engine, config, workdir)
+    except preemption.StopNow as stop:
+        logging.warning("%s", stop)
+        return {"preempted": True}
+
+
+def _run_locked(run_engine, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """``run_engine`` holding the workdir's lock (and, but for extraction, its config rules)."""
+    if config.engine == "extract_features":
         # Extraction may read the training run's own workdir (its config stays as it is);
         # the lock keeps it from running beside that training, or beside another extraction.
         with workdir_lib.lock(workdir):

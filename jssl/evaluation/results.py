@@ -32,9 +32,17 @@ def make_writer(workdir: str) -> metric_writers.MetricWriter:
 
 
 def save_json(path: str, value: Any) -> None:
+    """Writes ``value`` to ``path`` (process 0) through a temporary file renamed over it, so
+    that a process killed mid-write leaves the previous file or none, never half of one."""
     if jax.process_index() == 0:
-        with open(path, "w") as f:
-            json.dump(value, f, indent=2)
+        temporary = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(temporary, "w") as f:
+                json.dump(value, f, indent=2)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
 
 
 def load_json(path: str) -> Any | None:

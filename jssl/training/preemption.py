@@ -21,7 +21,9 @@ ends, so both stop.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -92,6 +94,41 @@ class Preemption:
         self.requested = self.requested or other.requested
         self.signal_name = self.signal_name or other.signal_name
         self._interrupts = max(self._interrupts, other._interrupts)
+
+
+class StopNow(BaseException):
+    """SIGTERM or a first Ctrl-C in an engine that keeps nothing it could save part of (kNN,
+    the SVMs, k-means, the test loss, verify, export): raised where the engine is, before it
+    has written its results, so a rerun starts it again. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` of the engine takes it for a failure."""
+
+
+@contextlib.contextmanager
+def stop_at_once() -> Iterator[None]:
+    """Inside it, SIGTERM and a first Ctrl-C raise ``StopNow``; inside another engine's
+    ``Preemption`` (an evaluator run by evaluate or by training) it changes nothing: that
+    engine stops after this one, as it has agreed with the other processes."""
+    if _ACTIVE:
+        yield
+        return
+
+    def stop(signum, frame) -> None:
+        raise StopNow(
+            f"{_NAMES[signum]} received: stopped before writing any result; exit status "
+            f"{PREEMPTED_EXIT_CODE}. Rerun the same command to run it again."
+        )
+
+    previous = {}
+    for signum in _NAMES:
+        try:
+            previous[signum] = signal.signal(signum, stop)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def agreed(requested: bool) -> bool:
