@@ -20,7 +20,14 @@ from absl import logging
 from flax import traverse_util
 
 from jssl.checkpoints import weights
-from jssl.checkpoints.weights import COLLECTIONS, STRICT, TORCH_SUFFIXES, Flat, WeightsError
+from jssl.checkpoints.weights import (
+    COLLECTIONS,
+    STRICT,
+    TORCH_SUFFIXES,
+    TRAINING_ONLY,
+    Flat,
+    WeightsError,
+)
 
 
 def init_train_state(config: ml_collections.ConfigDict, state: Any) -> Any:
@@ -31,8 +38,10 @@ def init_train_state(config: ml_collections.ConfigDict, state: Any) -> Any:
     then scratch. ``state`` is the freshly initialised, replicated TrainState; the loaded
     arrays take the sharding and dtype of the leaves they replace.
 
-    - ``params`` and ``batch_stats``: the trunk must fit the configured model exactly; any
-      other top-level part (the heads) is loaded where the checkpoint has an array of the
+    - ``params`` and ``batch_stats``: the trunk must fit the configured model exactly, but
+      for its training-only mask token (``weights.TRAINING_ONLY``: loaded where both have it,
+      else left out or kept fresh, logged: a fine-tune of an iBOT trunk, iBOT from DINO's);
+      any other top-level part (the heads) is loaded where the checkpoint has an array of the
       same shape and otherwise keeps its fresh init (logged). ``config.init.skip`` lists
       path prefixes ("head", "trunk/layer4_1", ...) that keep their fresh init regardless.
     - ``ema_params`` / ``ema_batch_stats`` (the momentum encoder, where the method has one):
@@ -107,17 +116,25 @@ def _plan(source: str, saved: Flat, wanted: Flat, skip: tuple, config) -> dict:
     def skipped(key: tuple) -> bool:
         return any(key[1 : 1 + len(p)] == p for p in skip)
 
-    problems = weights.differences(saved, wanted, lambda k: k[1] in STRICT and not skipped(k))
+    def strict(key: tuple) -> bool:
+        # A training-only leaf (the mask token) is loaded where both have it, else left out.
+        return key[1] in STRICT and key not in TRAINING_ONLY and not skipped(key)
+
+    problems = weights.differences(saved, wanted, strict)
     if problems:
         first, line = problems[0]
         model = weights.describe_model(config)
+        hint = weights.match_hint(source, config, [key for key, _ in problems])
+        # init.skip names parts of the configured model: it cannot drop a checkpoint's extra.
+        skip = (
+            f"\nOr keep that part at its fresh init with "
+            f"--config.init.skip=\"('{'/'.join(first[1:3])}',)\"."
+            if first in wanted
+            else ""
+        )
         raise WeightsError(
             f"init.checkpoint {source} does not fit the configured model ({model}); "
-            f"first mismatch: {line} ({len(problems)} differences in all).\nSet "
-            "--config.model.* to the architecture the weights were trained with (a jssl "
-            "workdir's config.json has it), or keep that part at its fresh init with "
-            f"--config.init.skip=\"('{'/'.join(first[1:3])}',)\"."
-            f"{weights.match_hint(source, config)}"
+            f"first mismatch: {line} ({len(problems)} differences in all).\n{hint}{skip}"
         )
     unused = sorted(
         (k for k in saved if k not in wanted and not skipped(k)), key=weights.natural_key

@@ -12,9 +12,11 @@ Sources (``init.checkpoint``):
 Three users:
 
 - ``load_variables(path, config)``: ``{"params", "batch_stats"}`` of the online model for the
-  evaluation engines; every array must fit the configured model. With ``trunk_only=True``
-  (unless a ``head`` layer is asked for) only the trunk is read, so any method's workdir can
-  be evaluated with the MoCo-based evaluation presets and the trunk's model fields.
+  evaluation engines; every array of its parts must fit the configured model, but for a
+  training-only leaf it lacks (``TRAINING_ONLY``: the mask token, left out). With
+  ``trunk_only=True`` (unless a ``head`` layer is asked for) only the trunk is read, so any
+  method's workdir can be evaluated with the MoCo-based evaluation presets and the trunk's
+  model fields.
 - ``checkpoints.warm_start.init_train_state(config, state)``: a fresh TrainState started from
   those weights when the train engine's workdir has nothing to resume (through ``read_newest``,
   ``saved_shapes``, ``read_arrays`` and ``read_torch``).
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -49,6 +51,11 @@ COLLECTIONS = ("params", "batch_stats")  # the model's variables that weights ca
 # The part of the model that must fit exactly when starting training from weights: a trunk
 # loaded with holes would silently train a half-random network. Heads may differ.
 STRICT = ("trunk",)
+# Trunk leaves that only training uses, which a trunk built for another use legitimately
+# lacks (or holds where the checkpoint has none): the ViT's learned mask token, which iBOT and
+# DINOv2 put in place of masked patches. The evaluated trunk is built without it.
+MASK_TOKEN = ("params", "trunk", "mask_token")
+TRAINING_ONLY = (MASK_TOKEN,)
 _VALID = (
     "Pass the workdir of a jssl training run (e.g. runs/demo, which holds "
     "checkpoints/<step>/state/), its checkpoints/ dir, one step dir checkpoints/<step>, or a "
@@ -86,6 +93,7 @@ def load_variables(
     mesh: Mesh | None = None,
     trunk_only: bool = False,
     model: Any = None,
+    abstract: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``{"params", "batch_stats"}`` of ``methods.get(config).model`` (or ``model``) loaded
     from ``path``.
@@ -103,6 +111,12 @@ def load_variables(
         head, whatever its shape, is neither read nor checked.
       model: the flax model to load into, when not the one ``config`` builds (an evaluation
         reading a head with the method of the evaluated workdir).
+      abstract: the ``{"params", "batch_stats"}`` shapes to read, when not those that
+        ``model.init`` builds (every leaf the method trained: ``jssl.evaluation.frozen``).
+
+    Only the top-level parts of the model (``trunk``, ``head``) are read and checked: a network
+    it does not apply (a predictor, prototypes, MAE's decoder) is not. A ``TRAINING_ONLY``
+    leaf of the checkpoint that the model lacks (the mask token) is left out, logged.
 
     Raises:
       WeightsError: nothing readable at ``path``, or the weights do not fit ``config.model``.
@@ -117,7 +131,7 @@ def load_variables(
         model = trunk_model(config) if trunk_only else methods.get(config).model
     if path.endswith(TORCH_SUFFIXES):
         return _load_torch(path, config, model, mesh)
-    expected = abstract_variables(config, model)
+    expected = abstract_variables(config, model) if abstract is None else abstract
     sharding = parallel.replicated(mesh)
     # An empty collection (a ViT trunk has no batch_stats) is left out of the restore target:
     # orbax cannot trim a saved subtree to an empty dict.
@@ -127,9 +141,7 @@ def load_variables(
     )
 
     def read(state_dir: str) -> dict[str, Any]:
-        saved = saved_shapes(state_dir)
-        if trunk_only:
-            saved = {key: shape for key, shape in saved.items() if key[1:2] == ("trunk",)}
+        saved = _parts_of(state_dir, saved_shapes(state_dir), expected)
         _check_architecture(state_dir, saved, expected, config)
         return _restore(state_dir, target, ocp.checkpoint_utils.construct_restore_args(target))
 
@@ -289,6 +301,27 @@ def _restore(state_dir: str, target: Any, restore_args: Any) -> Any:
     )
 
 
+def _parts_of(state_dir: str, saved: Flat, expected: dict[str, Any]) -> Flat:
+    """The saved shapes of the model's top-level parts, less the ``TRAINING_ONLY`` leaves the
+    model lacks (logged): what the model must fit. Another network of the method (a
+    predictor, prototypes, a decoder) is not the model's, so it is neither read nor checked."""
+    parts = {part for name in COLLECTIONS for part in expected[name]}
+    saved = {key: shape for key, shape in saved.items() if key[1] in parts}
+    left_out = [key for key in TRAINING_ONLY if key in saved and not _holds(expected, key)]
+    if left_out:
+        logging.info(
+            "Not reading %s of %s: used only in training, and the evaluated model has none.",
+            ", ".join("/".join(key) for key in left_out),
+            state_dir,
+        )
+    return {key: shape for key, shape in saved.items() if key not in left_out}
+
+
+def _holds(tree: dict[str, Any], key: tuple[str, ...]) -> bool:
+    """Whether the ``{"params", "batch_stats"}`` tree has a leaf at ``(collection, *path)``."""
+    return key[1:] in traverse_util.flatten_dict(dict(tree.get(key[0], {})))
+
+
 def _check_architecture(
     state_dir: str, saved: Flat, expected: dict[str, Any], config: ml_collections.ConfigDict
 ) -> None:
@@ -298,26 +331,50 @@ def _check_architecture(
         for name in COLLECTIONS
         for key, v in traverse_util.flatten_dict(expected[name]).items()
     }
-    problems = [line for _, line in differences(saved, wanted, lambda key: True)]
+    problems = differences(saved, wanted, lambda key: True)
     if problems:
-        shown = "\n  ".join(problems[:8])
+        shown = "\n  ".join(line for _, line in problems[:8])
         more = f"\n  ... ({len(problems)} differences in all)" if len(problems) > 8 else ""
         model = describe_model(config)
+        hint = match_hint(state_dir, config, [key for key, _ in problems])
         raise WeightsError(
             f"The checkpoint {state_dir} does not fit the configured model ({model})"
-            f":\n  {shown}{more}\nUse the model config the checkpoint was trained with (e.g. "
-            "the same configs/*.py preset and --config.model.* overrides; the workdir's "
-            f"config.json has them).{match_hint(state_dir, config)}"
+            f":\n  {shown}{more}\n{hint}"
         )
 
 
-def match_hint(path: str, config: ml_collections.ConfigDict) -> str:
-    """For a mismatch message: the flags that give ``config`` the model of the workdir
-    holding ``path``, as recorded in its config.json ('' when there are none)."""
-    from jssl.checkpoints import workdir
+def match_hint(path: str, config: ml_collections.ConfigDict, keys: Sequence[tuple] = ()) -> str:
+    """For a mismatch at ``keys``: what to change. The ``--config.model.*`` flags that give
+    ``config`` the model recorded in the config.json of the workdir holding ``path``, those of
+    the trunk alone when only the trunk misfits; where none differ (the engines adopt that
+    config.json), it says that no model flag helps rather than advise what is in effect."""
+    from jssl.checkpoints import source_model, workdir
 
-    flags = workdir.flags_to_match(path, config)
-    return f"\nIts workdir's config.json differs in: {' '.join(flags)}" if flags else ""
+    if not workdir.recorded_config(path):
+        return (
+            "Use the model config the checkpoint was trained with (the same configs/*.py "
+            "preset and --config.model.* overrides)."
+        )
+    fields = None
+    if keys and all(key[1:2] == ("trunk",) for key in keys):
+        fields = {f"model.{name}" for name in source_model.TRUNK_FIELDS}
+    flags = [
+        flag
+        for flag in workdir.flags_to_match(path, config)
+        if fields is None or flag[len("--config.") :].partition("=")[0] in fields
+    ]
+    if flags:
+        return (
+            "Use the model config the checkpoint was trained with: its workdir's config.json "
+            f"differs in: {' '.join(flags)}"
+        )
+    part = "trunk" if fields else "model"
+    return (
+        f"config.model already holds the {part} fields of its workdir's config.json, so no "
+        "--config.model.* flag makes it fit: the checkpoint holds arrays that this model does "
+        "not build. Was it copied from another run, or written by another jssl version? If "
+        "not, please report it."
+    )
 
 
 def differences(saved: Flat, wanted: Flat, strict: Callable[[tuple], bool]) -> list[tuple]:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 from absl import logging
@@ -36,16 +37,37 @@ def load_frozen_model(
     """(flax model, replicated variables) of the online network at ``path`` (default
     ``init.checkpoint``): the trunk alone unless ``layers`` asks for the ``head`` output, so a
     workdir of any method (its own head, predictor or prototypes) is evaluated with the
-    trunk's model fields; the head is the method's, as recorded by the evaluated workdir."""
+    trunk's model fields; the head is the method's, as recorded by the evaluated workdir, with
+    every leaf the method's init gave it (iBOT's patch head included)."""
     path = _weights_path(config, path)
     trunk_only = "head" not in layers
+    abstract = None
     if trunk_only:
         model = weights.trunk_model(config)
     else:
-        model = methods.get(source_model.method_config(config, path)).model
-    variables = weights.load_variables(path, config, mesh=mesh, trunk_only=trunk_only, model=model)
+        method = methods.get(source_model.method_config(config, path))
+        model, abstract = method.model, _method_variables(method, config)
+    variables = weights.load_variables(
+        path, config, mesh=mesh, trunk_only=trunk_only, model=model, abstract=abstract
+    )
     logging.info("Evaluating the frozen weights of %s.", path)
     return model, variables
+
+
+def _method_variables(method: methods.Method, config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Shapes of ``{"params", "batch_stats"}`` of ``method.model`` as ``method.init`` builds
+    them, i.e. every leaf training saved for it: an eval-mode call of the model builds fewer
+    (iBOT's patch last layer, DINOv2's patch head, which only their patch losses apply). The
+    method's other networks (predictor, prototypes, decoder) are left out: the model does not
+    apply them."""
+    size = config.data.image_size
+    sample = jnp.zeros((1, size, size, 3))
+    fields = jax.eval_shape(lambda: method.init(jax.random.PRNGKey(0), sample))
+    parts = weights.abstract_variables(config, method.model)
+    return {
+        name: {k: v for k, v in dict(fields.get(name, {})).items() if k in parts[name]}
+        for name in weights.COLLECTIONS
+    }
 
 
 def _weights_path(config: ml_collections.ConfigDict, path: str) -> str:
