@@ -5,7 +5,8 @@ The trunk is read as the extraction engine reads it (``evaluation.frozen.load_fr
 ``init.checkpoint`` a jssl workdir, one ``checkpoints/<step>`` dir or a PyTorch /
 safetensors file; the ``model.*`` fields from the source workdir's config.json) and converted
 by ``jssl.models.torch_export`` (torchvision's names for a ResNet, timm's for a ViT, DINOv2's
-for a ViT with LayerScale, registers or SwiGLU). A
+for a ViT with LayerScale, registers or SwiGLU, with the trained mask token of an iBOT or
+DINOv2 checkpoint, which the evaluated trunk is built without). A
 workdir's newest complete checkpoint is exported, and its step recorded; a damaged one stops
 the export (pass an older ``checkpoints/<step>``) rather than silently exporting another.
 
@@ -63,6 +64,22 @@ def _source(path: str) -> tuple[str, int | None]:
         return os.path.abspath(path), None
     step_dir = os.path.dirname(weights.resolve_checkpoint(path))
     return step_dir, int(os.path.basename(step_dir))
+
+
+def _trained_mask_token(source: str) -> np.ndarray | None:
+    """The trunk's mask token saved at ``source`` (a step dir), None where it has none or is a
+    PyTorch file. The evaluated trunk is built without it (``weights.TRAINING_ONLY``), but
+    DINOv2's layout holds one: the trained one, not zeros, is exported."""
+    if source.endswith(weights.TORCH_SUFFIXES):
+        return None
+
+    def read(state_dir: str) -> np.ndarray | None:
+        shape = weights.saved_shapes(state_dir).get(weights.MASK_TOKEN)
+        if shape is None:
+            return None
+        return weights.read_arrays(state_dir, {weights.MASK_TOKEN: shape})[weights.MASK_TOKEN]
+
+    return weights.read_newest(source, read)[1]
 
 
 def _host(tree: Any) -> Any:
@@ -123,11 +140,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         _, variables = frozen.load_frozen_model(
             config, parallel.make_mesh(), ("avgpool",), path=source
         )
+        mask_token = _trained_mask_token(source)
     except weights.WeightsError as e:
         raise weights.WeightsError(f"init.checkpoint={given!r}: {e}") from e
     trunk = {name: tree["trunk"] for name, tree in _host(variables).items() if tree}
-    state = torch_export.trunk_state_dict(config.model, trunk, num_batches_tracked=step or 0)
-    described = torch_export.pytorch_model(config.model)
+    state = torch_export.trunk_state_dict(
+        config.model, trunk, num_batches_tracked=step or 0, mask_token=mask_token
+    )
+    described = torch_export.pytorch_model(config.model, mask_token is not None)
     trunk_name = str(config.model.trunk)
     summary = {
         "safetensors": os.path.join(workdir, SAFETENSORS),

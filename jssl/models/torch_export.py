@@ -62,21 +62,25 @@ def resnet_state_dict(
     return dict(sorted(state.items(), key=lambda item: _torchvision_order(item[0])))
 
 
-def vit_state_dict(params: dict[str, Any]) -> dict[str, np.ndarray]:
+def vit_state_dict(
+    params: dict[str, Any], mask_token: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """``params`` of jssl's ViT -> timm's ``VisionTransformer`` state dict (no head), or
-    DINOv2's ``DinoVisionTransformer``'s for a trunk with LayerScale, registers or SwiGLU
-    (with the zero ``mask_token`` of shape (1, D) that DINOv2's model holds, so that it loads
-    strictly)."""
+    DINOv2's ``DinoVisionTransformer``'s for a trunk with LayerScale, registers or SwiGLU,
+    with the ``mask_token`` of shape (1, D) that DINOv2's model holds, so that it loads
+    strictly: ``mask_token`` (the trained one, which the evaluated trunk lacks), else the
+    one in ``params``, else zeros. timm's model has none, so it is not written there."""
     state = {
         vit_import.torch_name(path): np.ascontiguousarray(
             to_torch_layout(np.asarray(value, np.float32))
         )
         for path, value in traverse_util.flatten_dict(params).items()
     }
+    held = state.pop("mask_token", None)
     if _dinov2_layout(state):
         width = state["cls_token"].shape[-1]
-        mask = state.pop("mask_token", np.zeros((1, width), np.float32))
-        state["mask_token"] = np.ascontiguousarray(mask.reshape(1, width))
+        mask = next((m for m in (mask_token, held) if m is not None), np.zeros((1, width)))
+        state["mask_token"] = np.ascontiguousarray(np.asarray(mask, np.float32).reshape(1, width))
     return state
 
 
@@ -85,23 +89,30 @@ def _dinov2_layout(state: dict[str, Any]) -> bool:
 
 
 def trunk_state_dict(
-    model_config: ml_collections.ConfigDict, trunk: dict[str, Any], num_batches_tracked: int = 0
+    model_config: ml_collections.ConfigDict,
+    trunk: dict[str, Any],
+    num_batches_tracked: int = 0,
+    mask_token: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The PyTorch state dict of the trunk variables ``{"params", "batch_stats"}`` (host
-    arrays) of ``build_trunk(model_config)``."""
+    arrays) of ``build_trunk(model_config)``; ``mask_token``: a ViT's trained mask token, for
+    DINOv2's layout (``vit_state_dict``)."""
     check_exportable(model_config)
     if models.is_vit(model_config):
-        return vit_state_dict(trunk["params"])
+        return vit_state_dict(trunk["params"], mask_token)
     return resnet_state_dict(trunk, num_batches_tracked)
 
 
-def pytorch_model(model_config: ml_collections.ConfigDict) -> dict[str, Any]:
+def pytorch_model(
+    model_config: ml_collections.ConfigDict, trained_mask_token: bool = False
+) -> dict[str, Any]:
     """For export.json: the architecture, the PyTorch constructor and arguments that build the
     network the state dict fits, the statements to run after it, and notes on the settings
-    torchvision / timm have no argument for."""
+    torchvision / timm have no argument for (``trained_mask_token``: whether a DINOv2 layout's
+    mask token is the trained one)."""
     check_exportable(model_config)
     if models.is_vit(model_config):
-        return _vit_model(model_config)
+        return _vit_model(model_config, trained_mask_token)
     return _resnet_model(model_config)
 
 
@@ -159,10 +170,10 @@ def _resnet_model(m: ml_collections.ConfigDict) -> dict[str, Any]:
     }
 
 
-def _vit_model(m: ml_collections.ConfigDict) -> dict[str, Any]:
+def _vit_model(m: ml_collections.ConfigDict, trained_mask_token: bool) -> dict[str, Any]:
     vit = models.build_vit(m)
     if vit.layerscale or vit.num_registers or vit.ffn == "swiglu":
-        return _dinov2_model(m, vit)
+        return _dinov2_model(m, vit, trained_mask_token)
     kwargs = {
         "img_size": vit.image_size,
         "patch_size": vit.patch_size,
@@ -215,9 +226,16 @@ def _vit_model(m: ml_collections.ConfigDict) -> dict[str, Any]:
     }
 
 
-def _dinov2_model(m: ml_collections.ConfigDict, vit: Any) -> dict[str, Any]:
+def _dinov2_model(
+    m: ml_collections.ConfigDict, vit: Any, trained_mask_token: bool
+) -> dict[str, Any]:
     """DINOv2's ``DinoVisionTransformer`` (facebookresearch/dinov2, ``hubconf``'s
     ``dinov2_vit*14``), which holds LayerScale, registers and the fused SwiGLU as jssl does."""
+    mask_token = (
+        "mask_token is the trained one (of the masked-image loss; evaluation does not use it)."
+        if trained_mask_token
+        else "mask_token is zeros (the source trained none)."
+    )
     kwargs = {
         "img_size": vit.image_size,
         "patch_size": vit.patch_size,
@@ -233,7 +251,7 @@ def _dinov2_model(m: ml_collections.ConfigDict, vit: Any) -> dict[str, Any]:
     notes = [
         f"The trunk alone: model(x) in eval mode returns jssl's avgpool tap, the "
         f"({vit.embed_dim},) class token after the final norm. The method's heads are not "
-        "exported; mask_token is zeros (jssl's evaluation trunk has none).",
+        f"exported; {mask_token}",
         f"pos_embed is laid out for {vit.image_size} px; DINOv2 resamples it for other sizes "
         "with its own bicubic interpolation (jssl resamples as timm does), so only that size "
         "gives jssl's figures exactly.",
