@@ -37,6 +37,18 @@ def _finetune(source: str, **explicit):
     return config
 
 
+def test_an_evaluation_reads_an_ibot_trunk_without_its_mask_token(ibot_source, caplog):
+    caplog.set_level(logging.INFO)
+    source, saved = ibot_source
+    config = extract_features.get_config("test")
+    config.init.checkpoint = source
+    source_model.adopt(config, "")
+    trunk = weights.load_variables(source, config, trunk_only=True)["params"]["trunk"]
+    assert "mask_token" not in trunk
+    np.testing.assert_array_equal(np.asarray(trunk["cls_token"]), saved["trunk"]["cls_token"])
+    assert "Not reading params/trunk/mask_token" in _messages(caplog)
+
+
 def test_a_fine_tune_loads_an_ibot_trunk_without_its_mask_token(ibot_source, caplog):
     caplog.set_level(logging.INFO)
     source, saved = ibot_source
