@@ -7,6 +7,7 @@ with XLA_FLAGS forcing 4 CPU devices, as JAX may already have one device in pyte
 """
 
 import os
+import signal
 import sys
 
 import jax
@@ -20,6 +21,7 @@ from jssl import engines, parallel
 from jssl.engines import knn as knn_engine
 from jssl.evaluation import knn, knn_sharded
 from jssl.evaluation.batches import from_host_batches
+from jssl.training import preemption
 
 
 def _reference_scores(train, train_labels, test, num_classes, k, temperature):
@@ -297,3 +299,37 @@ def test_the_train_monitor_settings_are_checked_too():
 def test_valid_knn_settings_run(tmp_path):
     results = engines.run(_engine_config(_features_dir(tmp_path)), str(tmp_path / "knn"))
     assert set(results) >= {"k5", "k20"} and 0 <= results["k5"]["top1"] <= 100
+
+
+def _signalled_mid_search(monkeypatch):
+    """kNN's search sends this process SIGTERM once, after its first k."""
+    search, sent = knn.knn_accuracy, []
+
+    def search_then_signal(*args, **kwargs):
+        accuracy = search(*args, **kwargs)
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return accuracy
+
+    monkeypatch.setattr(knn, "knn_accuracy", search_then_signal)
+
+
+def test_sigterm_stops_knn_before_its_results_and_a_rerun_finishes(tmp_path, monkeypatch):
+    features_dir, workdir = _features_dir(tmp_path), str(tmp_path / "knn")
+    _signalled_mid_search(monkeypatch)
+    summary = engines.run(_engine_config(features_dir), workdir)
+    assert summary == {"preempted": True}
+    assert engines.exit_status(summary) == preemption.PREEMPTED_EXIT_CODE
+    assert not os.path.exists(os.path.join(workdir, "results.json"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    rerun = engines.run(_engine_config(features_dir), workdir)
+    assert {"k5", "k20"} <= set(rerun) and "preempted" not in rerun
+
+
+def test_inside_another_engines_preemption_a_stop_is_only_requested(tmp_path, monkeypatch):
+    """An evaluator run by evaluate or by training finishes; its caller then stops."""
+    _signalled_mid_search(monkeypatch)
+    with preemption.Preemption() as outer:
+        summary = engines.run(_engine_config(_features_dir(tmp_path)), str(tmp_path / "knn"))
+    assert outer.requested and {"k5", "k20"} <= set(summary)
