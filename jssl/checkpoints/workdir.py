@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,7 +107,7 @@ def lock(workdir: str) -> Iterator[None]:
     try:
         make_workdir(workdir)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock_exclusive(fd)
     except BaseException as e:
         process_0_failed(True)
         holder = _read_holder(fd) if fd >= 0 else {}
@@ -130,6 +131,20 @@ def lock(workdir: str) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
         os.close(fd)  # releases the flock
+
+
+def _lock_exclusive(fd: int, tries: int = 5, pause_s: float = 0.05) -> None:
+    """``flock(LOCK_EX | LOCK_NB)``, tried again for a moment while it would block: a
+    follower's ``lock_holder`` probe holds a shared lock for an instant, and a launch then must
+    not be refused as if a run held the workdir. A run's own lock still refuses in 0.2 s."""
+    for attempt in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES) or attempt == tries - 1:
+                raise
+            time.sleep(pause_s)
 
 
 def make_workdir(workdir: str) -> None:
@@ -159,8 +174,9 @@ def lock_holder(workdir: str) -> dict[str, Any] | None:
     wrote them), or None when no process does: how a follower tells that its training is
     gone. The probe opens the lock file read-only (never creating it), asks for a shared lock
     without waiting, which fails while the run holds its exclusive one, and drops it at once;
-    a launch that tries the lock in that instant is refused. Never call it on a workdir this
-    process has locked: on NFS, closing any descriptor of a file drops all its locks."""
+    a launch that tries the lock in that instant tries again a moment later. Never call it on
+    a workdir this process has locked: on NFS, closing any descriptor of a file drops all its
+    locks."""
     path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDONLY)

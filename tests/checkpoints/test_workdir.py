@@ -66,6 +66,22 @@ def test_the_lock_is_exclusive_within_one_process_and_released_on_exit(tmp_path)
         pass
 
 
+def test_a_launch_during_a_followers_probe_is_not_refused(tmp_path):
+    """A follower's lock_holder holds a shared lock for an instant; a launch then waits a
+    moment instead of reporting the workdir as in use."""
+    import fcntl
+    import threading
+
+    with workdir_lib.lock(str(tmp_path)):
+        pass
+    fd = os.open(tmp_path / workdir_lib.LOCK_FILE, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the probe, caught in its instant
+    threading.Timer(0.08, os.close, (fd,)).start()
+    with workdir_lib.lock(str(tmp_path)):
+        pass
+    assert workdir_lib.lock_holder(str(tmp_path)) is None
+
+
 def test_only_process_0_of_a_run_takes_the_lock(tmp_path, monkeypatch):
     with workdir_lib.lock(str(tmp_path)):
         monkeypatch.setattr(jax, "process_index", lambda: 1)
