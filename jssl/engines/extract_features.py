@@ -230,17 +230,7 @@ def _extract_split(
         else:
             steady_examples += len(indices)
         if step % log_every == 0 or step == num_batches:
-            elapsed = time.perf_counter() - start
-            eta = elapsed / step * (num_batches - step)
-            logging.info(
-                "%s: batch %d/%d, %d examples, %.1f s elapsed, ETA %.0f s",
-                split,
-                step,
-                num_batches,
-                done,
-                elapsed,
-                eta,
-            )
+            _log_progress(split, step, num_batches, done, time.perf_counter() - start)
     seconds = time.perf_counter() - start
     steady = time.perf_counter() - steady_start if steady_start is not None else 0.0
     written = done
@@ -260,6 +250,12 @@ def _extract_split(
         # Excluding the first batch (compilation); the whole-run rate when there is only one.
         "images_per_sec": steady_examples / steady if steady_examples else done / seconds,
     }
+
+
+def _log_progress(split: str, step: int, num_batches: int, done: int, elapsed: float) -> None:
+    eta = elapsed / step * (num_batches - step)
+    message = "%s: batch %d/%d, %d examples, %.1f s elapsed, ETA %.0f s"
+    logging.info(message, split, step, num_batches, done, elapsed, eta)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
