@@ -52,6 +52,7 @@ SAFE_FIELDS = (
     "knn.*",  # the kNN monitor only reads the trunk (a changed one no longer matches
     # knn_random_init.json, computed once at the start of the workdir)
     "data.cache",  # the same examples, kept in memory or not
+    "data.workers",  # how many processes make the same batches
     "data.data_dir",  # the same dataset found at another path (a moved or staged copy)
     "compilation_cache_dir",  # where compiled steps are cached, not what they compute
     "parallel.*",  # how the state is laid out over the devices, not its values

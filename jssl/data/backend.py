@@ -1,16 +1,17 @@
 """Which input pipeline serves a data config, which half of the views the train step makes,
 and synthetic batches of that layout.
 
-Every source is read with tf.data (jssl.data.pipeline) where TensorFlow is installed. The
-built-in demo data also has a numpy pipeline (jssl.data.numpy_pipeline) that needs no
-TensorFlow, so that jssl trains out of the box on a host with only JAX: ``data.loader="auto"``
-(the default) picks it for ``data.source="demo"`` where tensorflow or tensorflow_datasets is not
-installed, ``"numpy"`` always, ``"tf"`` never.
+Three pipelines read jssl's sources: tf.data (jssl.data.pipeline) for every source, grain
+(jssl.data.grain_pipeline) for image folders, TFDS datasets stored as ArrayRecord and the demo
+data without TensorFlow, and for the demo data a numpy pipeline (jssl.data.numpy_pipeline).
+``data.loader="auto"`` (the default) picks tf.data where TensorFlow is installed; where it is
+not, the numpy pipeline for the demo data and grain for the others. "tf", "grain" and "numpy"
+(demo only) choose one.
 
-The numpy pipeline crops and flips on the host and leaves the rest of each view (colour, blur,
-solarisation) to the train step (jssl.data.device_augment) whatever data.augment.on_device
-says; where the views need nothing more (the linear heads' images) it finishes them itself.
-``views_on_device`` tells the step and the pipelines which half makes what.
+grain and the numpy pipeline crop and flip on the host and leave the rest of each view (colour,
+blur, solarisation) to the train step (jssl.data.device_augment) whatever data.augment.on_device
+says; where the views need nothing more (the linear heads' images) they finish them
+themselves. ``views_on_device`` tells the step and the pipelines which half makes what.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from absl import logging
 
 from jssl.data import crops
 
-LOADERS = ("auto", "tf", "numpy")
+LOADERS = ("auto", "tf", "grain", "numpy")
+HOST_CROP_LOADERS = ("grain", "numpy")  # crop + flip on the host, the rest in the step
 _TF_PACKAGES = ("tensorflow", "tensorflow_datasets")
 
 
@@ -50,22 +52,34 @@ def _wanted(data_config) -> str:
 
 
 @functools.cache
-def _announce() -> None:
+def _announce(loader: str) -> None:
     logging.info(
-        "jssl.data: TensorFlow is not installed, so the demo data is read by the numpy pipeline "
-        "(crop and flip on the host, colour, blur and solarisation in the train step)."
+        "jssl.data: TensorFlow is not installed, so the data is read by the %s pipeline "
+        "(crop and flip on the host, colour, blur and solarisation in the train step).",
+        loader,
     )
 
 
 def resolve(data_config) -> str:
-    """The pipeline that reads ``data_config``: "tf" or "numpy"."""
+    """The pipeline that reads ``data_config``: "tf", "grain" or "numpy"."""
     wanted = _wanted(data_config)
-    if wanted == "numpy":
-        return "numpy"
-    if wanted == "auto" and data_config.source == "demo" and not tensorflow_available():
-        _announce()
-        return "numpy"
-    return "tf"
+    if wanted != "auto":
+        return wanted
+    if tensorflow_available():
+        return "tf"
+    loader = "numpy" if data_config.source == "demo" else "grain"
+    _announce(loader)
+    return loader
+
+
+def require_tfds(data_config) -> None:
+    """Raises an ImportError saying what to do when a TFDS source is read without
+    tensorflow_datasets installed (grain reads its ArrayRecord files without TensorFlow)."""
+    if importlib.util.find_spec("tensorflow_datasets") is None:
+        raise ImportError(
+            f"data.source={data_config.source!r} reads a TFDS dataset, and tensorflow_datasets is "
+            "not installed: pip install tensorflow-datasets."
+        )
 
 
 def require_tensorflow(data_config) -> None:
@@ -74,29 +88,29 @@ def require_tensorflow(data_config) -> None:
     if tensorflow_available():
         return
     if data_config.source == "demo":
-        fix = 'or set data.loader="numpy" (or "auto") to read the demo data without them.'
+        fix = 'or set data.loader="auto" (or "grain") to read the demo data without them.'
     else:
-        fix = "or train on the built-in demo data (data.source='demo'), which needs neither."
+        fix = (
+            'or set data.loader="auto" (or "grain") to read image folders and TFDS ArrayRecord '
+            "datasets without TensorFlow."
+        )
     raise ImportError(
         f"data.source={data_config.source!r} with data.loader="
         f"{data_config.get('loader', 'auto')!r} is read with tf.data, and tensorflow or "
-        f"tensorflow_datasets is not installed: pip install tensorflow-cpu tensorflow-datasets, "
-        + fix
+        f"tensorflow_datasets is not installed: pip install tensorflow-cpu tensorflow-datasets "
+        "(the jssl[tf] extra), " + fix
     )
 
 
 def views_on_device(data_config) -> bool:
     """Whether the train step makes the photometric half of the views (colour, grey, blur,
     solarise, RandAugment, random erasing) from the host's uint8 crops and seeds: with
-    data.augment.on_device, and with the numpy pipeline whenever a crop group needs more than
-    crop and flip. Never raises for a source that needs TensorFlow: the step of a benchmark on
-    synthetic batches builds without."""
+    data.augment.on_device, and with grain or the numpy pipeline whenever a crop group needs
+    more than crop and flip. Never raises for a source that needs TensorFlow: the step of a
+    benchmark on synthetic batches builds without."""
     if data_config.augment.get("on_device", False):
         return True
-    wanted = data_config.get("loader", "auto")
-    if data_config.source != "demo" or wanted == "tf":
-        return False
-    if resolve(data_config) != "numpy":
+    if resolve(data_config) not in HOST_CROP_LOADERS:
         return False
     return any(crops.photometric(group) for group in crops.crop_groups(data_config))
 

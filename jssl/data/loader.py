@@ -1,7 +1,7 @@
 """The input pipeline's entry points: a training epoch's and an evaluation split's batches,
-from tf.data (jssl.data.pipeline) or, for the demo data without TensorFlow, from its numpy twin
-(jssl.data.numpy_pipeline), as jssl.data.backend picks per config (``data.loader``). The
-pipelines are imported only here, when a dataset is built."""
+from tf.data (jssl.data.pipeline), grain (jssl.data.grain_pipeline) or, for the demo data, a
+numpy pipeline (jssl.data.numpy_pipeline), as jssl.data.backend picks per config
+(``data.loader``). The pipelines are imported only here, when a dataset is built."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ from jssl.data import backend
 
 
 def _pipeline(data_config):
-    if backend.resolve(data_config) == "numpy":
+    loader = backend.resolve(data_config)
+    if loader == "numpy":
         from jssl.data import numpy_pipeline
 
         return numpy_pipeline
+    if loader == "grain":
+        from jssl.data import grain_pipeline
+
+        return grain_pipeline
     backend.require_tensorflow(data_config)
     from jssl.data import pipeline
 
@@ -30,7 +35,8 @@ def build_train_dataset(
 ):
     """This process's batches of one training epoch: {"crops", "label", "index", "replaced"}
     (and "aug_seeds" where the step makes the views); see jssl.data.pipeline's twin for the
-    layout. A tf.data.Dataset, or the numpy pipeline's Batches; both have as_numpy_iterator()."""
+    layout. A tf.data.Dataset, or grain's or the numpy pipeline's Batches; all have
+    as_numpy_iterator()."""
     return _pipeline(data_config).build_train_dataset(
         data_config,
         seed=seed,

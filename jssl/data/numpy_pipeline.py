@@ -28,8 +28,8 @@ import numpy as np
 from jssl.data import backend, crops, demo, order, sources, splits
 
 _MAX_ATTEMPTS = 10  # crop boxes tried before the whole image is used (transforms.crop_window)
-_SEED_WORDS = 6  # the step's colour, blur and solarise seeds: (3, 2) uint32
-_WORDS = _SEED_WORDS + 1 + 4 * _MAX_ATTEMPTS  # + the flip's coin + 4 draws per box attempt
+SEED_WORDS = 6  # the step's colour, blur and solarise seeds: (3, 2) uint32
+_WORDS = SEED_WORDS + 1 + 4 * _MAX_ATTEMPTS  # + the flip's coin + 4 draws per box attempt
 _VIEWS_STREAM = 0x6A73736C  # keeps the views' seeds apart from order.epoch_seed's
 
 
@@ -127,7 +127,7 @@ def host_view(
     """One crop of a uint8 (H, W, 3) image and the (3, 2) uint32 seeds from which the step makes
     the rest of its view: the crop in uint8, or with ``finish`` (crop and flip are all the view
     needs) the float32 normalised view."""
-    uniforms = (words[_SEED_WORDS:] / 2.0**32).tolist()  # python floats: the box is scalar work
+    uniforms = (words[SEED_WORDS:] / 2.0**32).tolist()  # python floats: the box is scalar work
     top, left, h, w = crop_window(
         image.shape[0], image.shape[1], group.scale, augment.crop_ratio, uniforms[1:]
     )
@@ -141,7 +141,7 @@ def host_view(
         crop = crop[:, ::-1]
     if finish:
         crop = (crop - np.asarray(augment.mean, np.float32)) / np.asarray(augment.std, np.float32)
-    return crop, words[:_SEED_WORDS].reshape(3, 2)
+    return crop, words[:SEED_WORDS].reshape(3, 2)
 
 
 def _split_arrays(source: sources.SplitSource) -> tuple[np.ndarray, np.ndarray]:

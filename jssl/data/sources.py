@@ -7,10 +7,11 @@ runs. Each source resolves its splits in its own module: TFDS and the demo set r
 in jssl.data.tfds_source, image folders in jssl.data.image_folder (their names that other
 modules read are re-exported here).
 
-The demo data read by the numpy pipeline (jssl.data.backend picks it where TensorFlow is missing)
-resolves to kind "demo": its images are generated in memory (jssl.data.demo), with TFDS's split
-and slice syntax (`slice_bounds`). TensorFlow and TFDS are imported only by the functions that
-read TFDS data or build tf.data ops, so resolving a folder or the numpy demo needs neither.
+The demo data read by grain or the numpy pipeline (jssl.data.backend picks one where TensorFlow
+is missing) resolves to kind "demo": its images are generated in memory (jssl.data.demo), with
+TFDS's split and slice syntax (`slice_bounds`). TensorFlow and TFDS are imported only by the
+functions that read TFDS data or build tf.data ops, so resolving a folder or the in-memory demo
+needs neither.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _resolve_demo(data_config, split: str) -> SplitSource:
 
 def resolve_split(data_config, split: str, limit: int = -1) -> SplitSource:
     """Resolve `split` of the configured source; `limit` > 0 keeps only its first `limit`."""
-    if data_config.source == "demo" and backend.resolve(data_config) == "numpy":
+    if data_config.source == "demo" and backend.resolve(data_config) in backend.HOST_CROP_LOADERS:
         source = _resolve_demo(data_config, split)
     elif data_config.source in ("demo", "tfds"):
         source = resolve_tfds(data_config, split)

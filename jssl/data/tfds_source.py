@@ -26,7 +26,10 @@ DEMO_NAME = "jssl_demo"
 
 
 def _tfds_builder(data_config) -> tfds.core.DatasetBuilder:
-    backend.require_tensorflow(data_config)
+    if backend.resolve(data_config) == "grain":  # reads ArrayRecord files without TensorFlow
+        backend.require_tfds(data_config)
+    else:
+        backend.require_tensorflow(data_config)
     import tensorflow_datasets as tfds
 
     data_dir = data_config.data_dir

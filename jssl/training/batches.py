@@ -27,7 +27,20 @@ def positioned(
 
 
 def pipeline_batches(config, position, plan: Plan) -> Iterator[tuple[int, int, dict]]:
-    """``positioned`` batches of jssl's deterministic training pipeline."""
+    """``positioned`` batches of jssl's deterministic training pipeline; grain's come from one
+    iterator for the whole run, so that its worker processes start once."""
+    if data.backend.resolve(config.data) == "grain":
+        from jssl.data import grain_pipeline
+
+        return grain_pipeline.run_batches(
+            config.data,
+            seed=config.seed,
+            first_epoch=position.epoch,
+            start_step=position.step_in_epoch,
+            num_epochs=plan.num_epochs,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
 
     def epoch_batches(epoch: int, start: int) -> Iterable[dict]:
         dataset = data.build_train_dataset(

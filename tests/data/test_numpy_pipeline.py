@@ -192,7 +192,9 @@ def test_which_pipeline(demo_dir, monkeypatch, caplog):
     assert data.num_examples(config, "test[10%:-10%]") == 1600
     assert data.train_order(config).startswith("exact")
     config.source = "folder"
-    with pytest.raises(ImportError, match="tensorflow"):
+    assert backend.resolve(config) == "grain"  # folders and ArrayRecord TFDS without TF
+    config.loader = "tf"
+    with pytest.raises(ImportError, match="tensorflow.*grain"):
         data.build_eval_dataset(config, "test", batch_size=8)
     config.loader = "numpy"
     with pytest.raises(ValueError, match='data.loader="numpy" reads only the built-in demo'):
