@@ -45,6 +45,7 @@ def make_train_step(
     accumulation_steps: int = 1,
     state_specs: TrainState | None = None,
     statistics_at: Callable[[jax.Array], jax.Array] | None = None,
+    finite_update: str = "auto",
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted, state-donating train step over ``mesh``.
 
@@ -73,9 +74,18 @@ def make_train_step(
     statistics of the head output and trunk features over the global batch to the metrics
     (jssl.training.collapse), computed only when ``statistics_at(steps done after this one)``;
     0 on the other steps.
+
+    ``finite_update`` is how a non-finite step keeps the previous state: ``"cond"``, one XLA
+    conditional (on CPU a fifth fewer HLO instructions than the selects, the cheapest to
+    compile), or ``"select"``, both outcomes computed and one chosen per leaf, which the device
+    runs without the host: a GPU conditional copies its predicate to the host and waits for it
+    (XLA's ``gpu/runtime/conditional_thunk.cc``), a sync each step that keeps the host from
+    running ahead to the next batch. ``"auto"``: ``"cond"`` on a CPU mesh, else ``"select"``.
+    The figures are in docs/design.md.
     """
     replicas = mesh.shape[DATA_AXIS]
     on_cpu = mesh.devices.flat[0].platform == "cpu"
+    use_cond = _guard_by_cond(finite_update, on_cpu)
 
     def per_replica(state: TrainState, batch: Any, stop: jax.Array):
         # The state's split leaves whole, as every method's forward expects them, but those
@@ -162,11 +172,12 @@ def make_train_step(
         # A non-finite loss or gradient (the method's or the online probe's) keeps the
         # previous state and records the step, so the host can stop with a precise message
         # and the last checkpoint stays valid; so do the steps after it until the host stops,
-        # which leaves the state of the last good step to save. One cond rather than a select
-        # per leaf of the state: the selects (and the flag each recomputed) were a fifth of
-        # the step's HLO.
+        # which leaves the state of the last good step to save.
         healthy = finite & (state.nonfinite_step < 0)
-        new_state = jax.lax.cond(healthy, updated, kept, state)
+        if use_cond:
+            new_state = jax.lax.cond(healthy, updated, kept, state)
+        else:
+            new_state = _select_per_leaf(healthy, updated(state), kept(state))
         metrics = dict(metrics, loss=loss, learning_rate=schedule(state.step))
         return new_state, metrics
 
@@ -231,6 +242,33 @@ def make_train_step(
     train_step.lower = lower
     train_step.trace = trace
     return train_step
+
+
+FINITE_UPDATES = ("auto", "cond", "select")
+
+
+def _guard_by_cond(finite_update: str, on_cpu: bool) -> bool:
+    """Whether the step's non-finite guard is one conditional (else selects per leaf)."""
+    if finite_update not in FINITE_UPDATES:
+        raise ValueError(
+            f"finite_update={finite_update!r}: use one of {FINITE_UPDATES} ('auto': a "
+            "conditional on CPU, selects per leaf on accelerators)."
+        )
+    return finite_update == "cond" or (finite_update == "auto" and on_cpu)
+
+
+def _select_per_leaf(healthy: jax.Array, updated: TrainState, kept: TrainState) -> TrainState:
+    """``updated`` where ``healthy``, else ``kept``, leaf by leaf. A leaf that both share (the
+    same traced value: the rng, a field the update leaves alone) is taken as it is, so only the
+    leaves the update or the guard changed get a select. ``lax.select`` (``jnp.where`` without
+    its type promotion) fails, as the cond would, on a leaf whose dtype the update changed.
+    Each select is elementwise between leaves of one sharding, so the state keeps its layout
+    (and the jit's out_shardings)."""
+
+    def choose(new, old):
+        return new if new is old else jax.lax.select(healthy, new, old)
+
+    return jax.tree.map(choose, updated, kept)
 
 
 def _record_blocks(method: Method, state, batch, mesh: Mesh, augment):
