@@ -33,6 +33,7 @@ LONGEST_FIRST = (
     "test_launch.py",
     "test_package.py",
     "test_verify.py",
+    "test_finite_update.py",
 )
 
 
