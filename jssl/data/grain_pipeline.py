@@ -192,33 +192,23 @@ def train_batch(data_config, rows: list, *, seed: int, epoch: int) -> dict:
     """The training batch of ``rows`` ((index, Pillow image, label, replaced)): jssl.data's
     layout ("crops" per group, "label", "index", "replaced", and "aug_seeds" where the step
     makes the views)."""
-    groups = crops.crop_groups(data_config)
     augment = data_config.augment
     on_device = backend.views_on_device(data_config)
-    views = [[] for _ in groups]
-    seeds = [[] for _ in groups]
-    for index, image, _, _ in rows:
-        c = 0
-        for g, group in enumerate(groups):
-            for _ in range(group.num_crops):
-                words = numpy_pipeline.view_words(seed, epoch, index, c)
-                view, view_seeds = host_view(image, words, group, augment, finish=not on_device)
-                views[g].append(view)
-                seeds[g].append(view_seeds)
-                c += 1
+    images = {index: image for index, image, _, _ in rows}
 
-    def per_example(g: int, items: list) -> np.ndarray:  # (n * crops, ...) -> (n, crops, ...)
-        stacked = np.stack(items)
-        return stacked.reshape(len(rows), groups[g].num_crops, *stacked.shape[1:])
+    def view(index, words, group):
+        return host_view(images[index], words, group, augment, finish=not on_device)
 
-    batch = {
-        "crops": tuple(per_example(g, v) for g, v in enumerate(views)),
-        "label": np.asarray([row[2] for row in rows], np.int32),
-        "index": np.asarray([row[0] for row in rows], np.int64),
-        "replaced": np.asarray([row[3] for row in rows], bool),
-    }
-    if on_device:
-        batch["aug_seeds"] = tuple(per_example(g, s) for g, s in enumerate(seeds))
+    indices = [row[0] for row in rows]
+    groups = crops.crop_groups(data_config)
+    batch = numpy_pipeline.keyed_views(indices, groups, view, seed=seed, epoch=epoch)
+    if not on_device:
+        del batch["aug_seeds"]
+    batch.update(
+        label=np.asarray([row[2] for row in rows], np.int32),
+        index=np.asarray(indices, np.int64),
+        replaced=np.asarray([row[3] for row in rows], bool),
+    )
     return batch
 
 

@@ -121,6 +121,30 @@ def view_words(seed: int, epoch: int, index: int, crop: int) -> np.ndarray:
     return np.random.SeedSequence(key).generate_state(_WORDS, np.uint32)
 
 
+def keyed_views(indices: list[int], groups, view, *, seed: int, epoch: int) -> dict:
+    """{"crops", "aug_seeds"}: one (n, num_crops, ...) array per crop group of the views
+    ``view(index, words, group) -> (crop, seeds)`` makes of each example from its crops' keyed
+    words (view_words: crop numbers run over the groups in order)."""
+    views, seeds = [[] for _ in groups], [[] for _ in groups]
+    for index in indices:
+        c = 0
+        for g, group in enumerate(groups):
+            for _ in range(group.num_crops):
+                crop, crop_seeds = view(index, view_words(seed, epoch, index, c), group)
+                views[g].append(crop)
+                seeds[g].append(crop_seeds)
+                c += 1
+
+    def per_example(g: int, items: list) -> np.ndarray:  # (n * crops, ...) -> (n, crops, ...)
+        stacked = np.stack(items)
+        return stacked.reshape(len(indices), groups[g].num_crops, *stacked.shape[1:])
+
+    return {
+        "crops": tuple(per_example(g, v) for g, v in enumerate(views)),
+        "aug_seeds": tuple(per_example(g, s) for g, s in enumerate(seeds)),
+    }
+
+
 def host_view(
     image: np.ndarray, words: np.ndarray, group: crops.CropGroup, augment, finish: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -177,30 +201,17 @@ def build_train_dataset(
     images, labels = _split_arrays(source)
 
     def batch(indices: np.ndarray) -> dict:
-        views = [[] for _ in groups]
-        seeds = [[] for _ in groups]
-        for index in indices:
-            c = 0
-            for g, group in enumerate(groups):
-                for _ in range(group.num_crops):
-                    words = view_words(seed, epoch, int(index), c)
-                    view, view_seeds = host_view(images[index], words, group, augment, finish)
-                    views[g].append(view)
-                    seeds[g].append(view_seeds)
-                    c += 1
+        def view(index, words, group):
+            return host_view(images[index], words, group, augment, finish)
 
-        def per_example(g: int, items: list) -> np.ndarray:  # (n * crops, ...) -> (n, crops, ...)
-            stacked = np.stack(items)
-            return stacked.reshape(len(indices), groups[g].num_crops, *stacked.shape[1:])
-
-        out = {
-            "crops": tuple(per_example(g, v) for g, v in enumerate(views)),
-            "label": labels[indices].astype(np.int32),
-            "index": indices.astype(np.int64),
-            "replaced": np.zeros(len(indices), bool),  # generated images are always readable
-        }
-        if on_device:
-            out["aug_seeds"] = tuple(per_example(g, s) for g, s in enumerate(seeds))
+        out = keyed_views([int(i) for i in indices], groups, view, seed=seed, epoch=epoch)
+        if not on_device:
+            del out["aug_seeds"]
+        out.update(
+            label=labels[indices].astype(np.int32),
+            index=indices.astype(np.int64),
+            replaced=np.zeros(len(indices), bool),  # generated images are always readable
+        )
         return out
 
     return Batches(lambda: (batch(indices) for indices in rows), len(rows))

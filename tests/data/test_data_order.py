@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from PIL import Image
+from support.hidden_imports import prepare_array_record_demo
 from support.launch import prepare_shared_dirs
 
 import jssl.data as data
@@ -23,18 +24,7 @@ def demo_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def array_record_dir(tmp_path_factory):
     """The demo dataset prepared in ArrayRecord files (random access), first 48 train examples."""
-    from jssl.data import demo, demo_tfds  # noqa: F401  (demo_tfds registers the builder)
-
-    root = tmp_path_factory.mktemp("array_record")
-
-    sizes = dict(demo.SPLIT_SIZES)
-    demo.SPLIT_SIZES.update(train=48, test=16)  # seconds, not the full 10,000 images
-    try:
-        builder = tfds.builder(sources.DEMO_NAME, data_dir=str(root), file_format="array_record")
-        builder.download_and_prepare()
-    finally:
-        demo.SPLIT_SIZES.update(sizes)
-    return str(root)
+    return prepare_array_record_demo(str(tmp_path_factory.mktemp("array_record")), 48, 16)
 
 
 def _config(data_dir, **overrides):

@@ -15,38 +15,17 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
+from support.hidden_imports import hiding, prepare_array_record_demo
 from support.launch import REPO, TIMEOUT_S, launch_env, shared_cache_dir
 
 import jssl.data as data
 from jssl.data import sources
 
-HIDE = """
-import sys
-
-HIDDEN = {hidden!r}
-
-
-class _Hide:
-    def __init__(self, finder):
-        self.finder = finder
-
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in HIDDEN:
-            return None
-        return self.finder.find_spec(name, path, target)
-
-    def __getattr__(self, attr):
-        return getattr(self.finder, attr)
-
-
-sys.meta_path[:] = [_Hide(finder) for finder in sys.meta_path]
-"""
-
 
 def _hiding_env(tmp_path, hidden, cache_dir) -> dict:
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(HIDE.format(hidden=hidden))
+    (site / "sitecustomize.py").write_text(hiding(*hidden))
     env = launch_env(str(cache_dir))
     env["PYTHONPATH"] = os.pathsep.join([str(site), REPO])
     return env
@@ -115,17 +94,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def array_record_dir(tmp_path_factory):
     """The demo data in ArrayRecord files, 48 train and 16 test examples (prepared with TF)."""
-    from jssl.data import demo, demo_tfds  # noqa: F401  (demo_tfds registers the builder)
-
-    root = tmp_path_factory.mktemp("grain_array_record")
-    sizes = dict(demo.SPLIT_SIZES)
-    demo.SPLIT_SIZES.update(train=48, test=16)
-    try:
-        builder = tfds.builder(sources.DEMO_NAME, data_dir=str(root), file_format="array_record")
-        builder.download_and_prepare()
-    finally:
-        demo.SPLIT_SIZES.update(sizes)
-    return str(root)
+    return prepare_array_record_demo(str(tmp_path_factory.mktemp("grain_array_record")), 48, 16)
 
 
 def test_array_record_tfds_reads_the_same_without_tensorflow(tmp_path, array_record_dir):
@@ -146,14 +115,15 @@ def test_array_record_tfds_reads_the_same_without_tensorflow(tmp_path, array_rec
         assert [r[0] for r in rows] == [b["index"].tolist() for b in here]
         assert [r[2] for r in rows] == [int(b["crops"][0].astype(np.int64).sum()) for b in here]
         assert [r[0] for r in rows] == data.process_order(order, p, 2).reshape(-1, 4).tolist()
-    with pytest.raises(ValueError, match="array_record"):  # TFRecord data is refused by grain
-        config.update(dict(data_dir=str(tmp_path / "tfrecord")))
-        from jssl.data import demo, demo_tfds  # noqa: F401
+    # The demo data in TFDS's default TFRecord files: grain refuses it, naming the fix.
+    from jssl.data import demo, demo_tfds  # noqa: F401  (demo_tfds registers the builder)
 
-        sizes = dict(demo.SPLIT_SIZES)
-        demo.SPLIT_SIZES.update(train=16, test=8)
-        try:
-            tfds.builder(sources.DEMO_NAME, data_dir=config.data_dir).download_and_prepare()
-        finally:
-            demo.SPLIT_SIZES.update(sizes)
+    config.data_dir = str(tmp_path / "tfrecord")
+    sizes = dict(demo.SPLIT_SIZES)
+    demo.SPLIT_SIZES.update(train=16, test=8)
+    try:
+        tfds.builder(sources.DEMO_NAME, data_dir=config.data_dir).download_and_prepare()
+    finally:
+        demo.SPLIT_SIZES.update(sizes)
+    with pytest.raises(ValueError, match="--file_format=array_record"):
         list(data.build_train_dataset(config, seed=0, epoch=0))

@@ -12,29 +12,10 @@ import sys
 
 import numpy as np
 import tensorflow as tf
+from support.hidden_imports import hiding
 from support.launch import REPO, TIMEOUT_S, launch_args, launch_env, read_events, shared_cache_dir
 
-HIDE_TENSORFLOW = """
-import sys
-
-HIDDEN = ("tensorflow", "tensorflow_datasets")
-
-
-class _Hide:
-    def __init__(self, finder):
-        self.finder = finder
-
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in HIDDEN:
-            return None
-        return self.finder.find_spec(name, path, target)
-
-    def __getattr__(self, attr):
-        return getattr(self.finder, attr)
-
-
-sys.meta_path[:] = [_Hide(finder) for finder in sys.meta_path]
-"""
+HIDE_TENSORFLOW = hiding("tensorflow", "tensorflow_datasets")
 
 # What a user with their own data loader, the step benchmarks and the train engine import.
 CORE = (
