@@ -1,7 +1,8 @@
 """The multi-process training loop, end to end: two local ``launch.py`` processes over the gloo
 CPU collectives train, checkpoint, get SIGTERM (one process first), stop together at the
 same step, resume, and end with the parameters of an uninterrupted single-process run of the
-same global batch (1 process x 2 devices against 2 processes x 1 device).
+same global batch (1 process x 2 devices against 2 processes x 1 device), on tf.data and on
+grain.
 
 The recipe is MoCo v2's own head at T 0.1 (as tests/step_parity.py): the demo's BN projector
 amplifies float rounding, which would hide a real difference behind a loose tolerance.
@@ -53,12 +54,12 @@ def _env(cache_dir: str, devices: int) -> dict:
     return env
 
 
-def _start_pair(workdir, shared_dirs) -> list[subprocess.Popen]:
+def _start_pair(workdir, shared_dirs, loader: str) -> list[subprocess.Popen]:
     data_dir, cache_dir = shared_dirs
     port = _free_port()
     return [
         subprocess.Popen(
-            launch_args(workdir, data_dir, *OVERRIDES)
+            launch_args(workdir, data_dir, *OVERRIDES, f"--config.data.loader={loader}")
             + [f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}"],
             cwd=REPO,
             env=_env(cache_dir, 1),
@@ -82,11 +83,14 @@ def _finish(processes, timeout=240) -> list[str]:
     return logs
 
 
-def test_two_processes_preempted_and_resumed_match_one_process(tmp_path, shared_dirs):
+# grain: each process's worker process makes its rows; a stop must close them, and the resumed
+# pair must read on from the same batch.
+@pytest.mark.parametrize("loader", ["tf", "grain"])
+def test_two_processes_preempted_and_resumed_match_one_process(tmp_path, shared_dirs, loader):
     data_dir, cache_dir = shared_dirs
     reference = tmp_path / "reference"
     result = subprocess.run(
-        launch_args(reference, data_dir, *OVERRIDES),
+        launch_args(reference, data_dir, *OVERRIDES, f"--config.data.loader={loader}"),
         cwd=REPO,
         env=_env(cache_dir, 2),
         capture_output=True,
@@ -97,7 +101,7 @@ def test_two_processes_preempted_and_resumed_match_one_process(tmp_path, shared_
     expected = load_checkpoint(reference, TOTAL)[0]
 
     workdir = tmp_path / "pair"
-    processes = _start_pair(workdir, shared_dirs)
+    processes = _start_pair(workdir, shared_dirs, loader)
     first = os.path.join(workdir, "checkpoints", "2")
     deadline = time.monotonic() + 240
     while not os.path.isdir(first):
@@ -117,6 +121,6 @@ def test_two_processes_preempted_and_resumed_match_one_process(tmp_path, shared_
     assert stopped[0] == stopped[1] and 2 <= stopped[0] < TOTAL, stopped
     assert checkpoint_steps(workdir)[-1] == stopped[0]
 
-    logs = _finish(_start_pair(workdir, shared_dirs))
+    logs = _finish(_start_pair(workdir, shared_dirs, loader))
     assert all(f"Resumed from step {stopped[0]} " in log for log in logs), logs[0][-5000:]
     assert_states_close(load_checkpoint(workdir, TOTAL)[0], expected)
