@@ -3,7 +3,9 @@
 ``run`` reads top to bottom: set-up (splits, method, optimizer, the state to start from: the
 workdir's checkpoint, then ``init.checkpoint``, then scratch; writer, steps, kNN baseline), one
 loop over the steps with clu periodic actions (logs, checkpoints, each epoch's test phase and
-evaluators), then the final kNN and the summary. SIGTERM or a first Ctrl-C saves and stops
+evaluators), then the final kNN and the summary. The batches reach the devices ahead of their
+step from a thread (jssl.training.prefetch); each log step writes how long the loop waited
+for them (``perf/data_wait_fraction``). SIGTERM or a first Ctrl-C saves and stops
 (jssl.training.preemption); no non-finite state is saved (jssl.training.finite); an error in
 periodic work lets a save in flight complete first (``checkpoint.closing``).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -31,7 +34,16 @@ from jssl.data import device_augment
 from jssl.engines import evaluate
 from jssl.engines import knn as knn_engine
 from jssl.evaluation import monitor
-from jssl.training import accumulation, batch_norm, collapse, finite, preemption, probe, summaries
+from jssl.training import (
+    accumulation,
+    batch_norm,
+    collapse,
+    finite,
+    preemption,
+    prefetch,
+    probe,
+    summaries,
+)
 from jssl.training import batches as batches_lib
 from jssl.training import state as train_state
 from jssl.training.fresh import abstract_state as abstract_state  # re-exported for callers
@@ -176,7 +188,14 @@ def run(
             every_steps=plan.log_every_steps,
             on_steps=[plan.max_steps],
             callback_fn=functools.partial(
-                _write_metrics, config, writer, manager, checks, collapse.Alarm.of(config), workdir
+                _write_metrics,
+                config,
+                writer,
+                manager,
+                checks,
+                collapse.Alarm.of(config),
+                prefetch.DataWaitAlarm(),
+                workdir,
             ),
             pass_step_and_time=False,
         )
@@ -197,13 +216,13 @@ def run(
         window, metrics, stopped = Window(), None, False
         replaced = 0  # rows of this epoch standing in for unreadable examples
         tested = (-1, {})  # (step, results) of the last test phase
-        if batches is None:
-            host_batches = batches_lib.pipeline_batches(config, position, plan)
-        else:
-            host_batches = batches_lib.user_batches(batches, position, plan)
+        device_batches = cleanup.enter_context(
+            _prefetch(config, batches, position, plan, mesh, first_step)
+        )
+        waited_before = 0.0  # the seconds waited for data before this window
         # ``step``: steps done once this batch is trained; the run ends at max_steps or the data.
-        for step, (epoch, index, host_batch) in zip(
-            range(first_step + 1, plan.max_steps + 1), host_batches, strict=False
+        for step, (epoch, index, host_batch, batch) in zip(
+            range(first_step + 1, plan.max_steps + 1), device_batches, strict=False
         ):
             if "replaced" in host_batch:  # data.skip_corrupt
                 replaced += int(np.sum(host_batch.pop("replaced")))
@@ -212,7 +231,6 @@ def run(
             if pictures is not None:
                 pictures.keep(host_batch)
             previous = metrics  # the metrics of the step before, whose stop flag is read
-            batch = parallel.host_batch_to_global(host_batch, mesh)
             state, metrics = train_step(state, batch, stop_flags(mesh, stop_request.requested))
             checks.keep(step, epoch, index, host_batch)
             if previous is not None and not np.isfinite(float(previous["loss"])):
@@ -223,8 +241,9 @@ def run(
             report_progress(step)
             if profile is not None:
                 profile(step)
-            if write_metrics(step, state=state, progress=progress, window=window):
-                window = Window()
+            waited = device_batches.waited - waited_before
+            if write_metrics(step, state=state, progress=progress, window=window, waited=waited):
+                window, waited_before = Window(), device_batches.waited
             save_in_epoch(step, state=state, progress=progress)
             # Every process reads the same agreed flag of the same step, so all of them stop
             # after the same step; reading the step before keeps one in flight. The last
@@ -254,7 +273,7 @@ def run(
                 evaluate.after_epoch(config, workdir, step, epoch + 1, last, writer)
             if stopped or step >= plan.max_steps:
                 break
-            window, replaced = Window(), 0
+            window, replaced, waited_before = Window(), 0, device_batches.waited
 
         checkpoint.finish(manager)
         checks(state, step)
@@ -309,17 +328,49 @@ def _stop_agreed(metrics: dict | None) -> bool:
     return metrics is not None and bool(int(metrics["stop"]))
 
 
+def _prefetch(config, batches, position, plan: Plan, mesh, first_step: int):
+    """The run's (epoch, index, host batch, device batch) from ``position`` on, each put on the
+    devices ahead of its step in a thread (jssl.training.prefetch); none past max_steps."""
+    if batches is None:
+        host_batches = batches_lib.pipeline_batches(config, position, plan)
+    else:
+        host_batches = batches_lib.user_batches(batches, position, plan)
+    host_batches = itertools.islice(host_batches, max(plan.max_steps - first_step, 0))
+    return prefetch.DevicePrefetch(host_batches, functools.partial(_to_devices, mesh))
+
+
+def _to_devices(mesh, host_batch: dict):
+    """The host batch as the step's global batch, without the loop's own ``replaced`` counts."""
+    kept = {k: v for k, v in host_batch.items() if k != "replaced"}
+    return parallel.host_batch_to_global(kept, mesh)
+
+
 def _write_metrics(
-    config, writer, manager, checks, alarm, workdir, *, state, progress: Progress, window: Window
+    config,
+    writer,
+    manager,
+    checks,
+    alarm,
+    data_wait_alarm,
+    workdir,
+    *,
+    state,
+    progress: Progress,
+    window: Window,
+    waited: float,
 ):
+    """The log step's scalars; ``waited``: the window's seconds spent waiting for batches."""
     checks(state, progress.step)
     checkpoint.check_for_errors(manager)
     elapsed = window.seconds()
     # The step's collapse statistics are those of this (log) step, not a mean over the window.
     scalars = alarm.scalars(window.mean(), window.metrics[-1])
-    scalars["images_per_sec"] = len(window) * config.data.batch_size / max(elapsed, 1e-9)
+    images = len(window) * config.data.batch_size
+    scalars["images_per_sec"] = images / max(elapsed, 1e-9)
+    scalars.update(prefetch.interval_scalars(images=images, wall=elapsed, waited=waited))
     scalars["epoch"] = progress.epochs
     writer.write_scalars(progress.step, scalars)
+    data_wait_alarm.check(progress.step, scalars["perf/data_wait_fraction"])
     finding = alarm.check(progress.step, scalars, writer)
     if finding is not None:  # monitor.on_collapse=stop
         _stop_on_collapse(alarm, finding, manager, workdir, state=state, progress=progress)
