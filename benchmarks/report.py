@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 OUTPUT = os.path.join(ROOT, "docs", "benchmarks.md")
 # Sections in this order of their results files' names (then the rest by name).
-ORDER = ("train_step", "input_pipeline", "extract_features", "knn", "conv_layers")
+ORDER = ("train_step", "train_loop", "input_pipeline", "extract_features", "knn", "conv_layers")
 
 HEADER = """\
 # Benchmarks
