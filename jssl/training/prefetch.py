@@ -135,14 +135,18 @@ def interval_scalars(*, images: int, wall: float, waited: float) -> dict[str, fl
 @dataclasses.dataclass
 class DataWaitAlarm:
     """Warns when the loop waited for data more than ``WARN_FRACTION`` of a log interval, at the
-    first such interval and then at most once per ``WARN_EVERY_SECONDS`` of the run."""
+    first such interval and then at most once per ``WARN_EVERY_SECONDS`` of the run. The run's
+    first interval is left out: its wait holds the pipeline's start-up (the first batch), which
+    none of the warning's fixes shortens, next to a step that may have come from the cache."""
 
     every_seconds: float = WARN_EVERY_SECONDS
     last_warned: float | None = None
+    intervals: int = 0  # checked so far
 
     def check(self, step: int, fraction: float) -> bool:
         """Logs the warning for the interval ending at ``step`` when due; whether it did."""
-        if fraction <= WARN_FRACTION:
+        self.intervals += 1
+        if fraction <= WARN_FRACTION or self.intervals == 1:
             return False
         now = time.monotonic()
         if self.last_warned is not None and now - self.last_warned < self.every_seconds:
