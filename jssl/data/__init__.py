@@ -11,9 +11,9 @@ and "folder" (root/<split>/<class>/<images>). The trainer uses four functions:
 - build_eval_dataset: the whole split, un-augmented, padded with a mask to static shapes;
 - num_examples, steps_per_epoch: sizes, the same on every process.
 
-The batches come from tf.data (pipeline.py) where TensorFlow is installed, from grain
-(grain_pipeline.py) for folders and ArrayRecord TFDS data where it is not, and for the demo data
-there from a numpy twin (numpy_pipeline.py): backend.py picks one per config (data.loader),
+The batches come from grain (grain_pipeline.py) for image folders, and for TFDS data and the
+demo from tf.data (pipeline.py) where TensorFlow is installed, else from grain (ArrayRecord TFDS)
+or a numpy twin (numpy_pipeline.py, the demo): backend.py picks one per config (data.loader),
 loader.py builds it. Importing jssl.data, the crop groups, the order and the
 on-device augmentation never imports TensorFlow; only building a tf.data pipeline does.
 """
@@ -52,8 +52,8 @@ def default_config() -> ml_collections.ConfigDict:
     d.source = "demo"  # "demo" | "tfds" | "folder"
     d.name = ""  # TFDS name when source="tfds", e.g. "imagenet2012"
     d.data_dir = ml_collections.config_dict.placeholder(str)  # TFDS dir / folder root
-    # "auto": tf.data where TensorFlow is installed, else grain (the demo data: numpy);
-    # "tf" / "grain" / "numpy" (demo only) to choose (jssl/data/backend.py).
+    # "auto": grain for image folders; tf.data for TFDS and the demo where TensorFlow is
+    # installed, else grain (the demo: numpy); "tf" / "grain" / "numpy" (demo only) to choose.
     d.loader = "auto"
     d.workers = -1  # grain's input worker processes; -1: one per core less one, 0: threads
     d.train_split = "train"

@@ -259,7 +259,11 @@ class EvalBatches:
                         f"Unreadable or corrupt image file: {decoded.what}. Fix or remove it, or "
                         "set data.skip_corrupt=True to leave it out (masked)."
                     ) from decoded
-                logging.warning("jssl.data: unreadable image %s left out (masked).", decoded.what)
+                logging.warning(
+                    "jssl.data: skipped unreadable image %s (masked out of the split; "
+                    "data.skip_corrupt=True).",
+                    decoded.what,
+                )
                 continue
             image[row] = pil_images.eval_view(decoded, size, augment.mean, augment.std)
             label[row], index[row] = y, i

@@ -191,27 +191,36 @@ def test_folder_source(tmp_path, caplog):
     assert rows == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1)]  # classes and files sorted
 
 
-def test_folder_corrupt_image_named(tmp_path):
+# Folders are read by grain (the default) or tf.data; both name the file and count the rows.
+FOLDER_ERRORS = {"grain": ValueError, "tf": tf.errors.InvalidArgumentError}
+
+
+@pytest.mark.parametrize("loader", sorted(FOLDER_ERRORS))
+def test_folder_corrupt_image_named(tmp_path, loader):
     bad = _write_folder(tmp_path, corrupt=True)
-    config = _config(str(tmp_path), source="folder", batch_size=2, train_subset=-1)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="c_bad.jpg.*skip_corrupt"):
+    config = _config(str(tmp_path), source="folder", batch_size=2, train_subset=-1, loader=loader)
+    with pytest.raises(FOLDER_ERRORS[loader], match="c_bad.jpg.*skip_corrupt"):
         _batches(data.build_eval_dataset(config, "val", batch_size=2))
     config.train_split = "val"
-    with pytest.raises(tf.errors.InvalidArgumentError, match=bad):
+    with pytest.raises(FOLDER_ERRORS[loader], match=bad):
         _batches(data.build_train_dataset(config, seed=0, epoch=0))
 
 
-def test_folder_skip_corrupt_counts(tmp_path, capfd):
+@pytest.mark.parametrize("loader", sorted(FOLDER_ERRORS))
+def test_folder_skip_corrupt_counts(tmp_path, capfd, caplog, loader):
     _write_folder(tmp_path, corrupt=True)
-    config = _config(str(tmp_path), source="folder", skip_corrupt=True, train_subset=-1)
+    config = _config(
+        str(tmp_path), source="folder", skip_corrupt=True, train_subset=-1, loader=loader
+    )
     evals = _batches(data.build_eval_dataset(config, "val", batch_size=4))
     assert sum(int(b["mask"].sum()) for b in evals) == 5
-    assert "skipped unreadable image" in capfd.readouterr().err
+    # tf.data prints its warnings; grain logs them (from its worker processes, to their stderr).
+    assert "skipped unreadable image" in capfd.readouterr().err + caplog.text
     config.update(dict(train_split="val", batch_size=3))
     batches = _batches(data.build_train_dataset(config, seed=0, epoch=0))
     assert len(batches) == 2  # 6 files, one unreadable: the epoch still has 6 // 3 batches
     assert sum(int(b["replaced"].sum()) for b in batches) == 1  # its row, flagged
-    assert "c_bad.jpg" in capfd.readouterr().err
+    assert "c_bad.jpg" in capfd.readouterr().err + caplog.text
 
 
 def test_missing_data_errors(tmp_path):
