@@ -26,6 +26,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -34,6 +37,10 @@ from absl import flags, logging
 from jssl.data import backend, crops, demo, numpy_pipeline, order, pil_images, sources, splits
 
 _MAX_WORKERS = 32
+# A worker's life after a SIGTERM sent to the whole process group (SLURM's scancel, a
+# preemption): the training process stops after a step or two and closes its workers, and
+# needs their batches until then.
+_SIGTERM_GRACE_S = 20.0
 
 
 def num_workers(data_config) -> int:
@@ -287,6 +294,29 @@ class Batches:
         return iter(self)
 
 
+def _worker_init(worker_index: int, worker_count: int) -> None:
+    """Signals in a worker process: Ctrl-C and a group's SIGTERM are the training process's to
+    act on (it saves, stops and closes its workers), so a worker keeps serving until then,
+    and ends by itself _SIGTERM_GRACE_S after a SIGTERM or as soon as its parent is gone."""
+    del worker_index, worker_count
+    parent = os.getppid()
+
+    def exit_later(signum, frame):
+        del signum, frame
+        timer = threading.Timer(_SIGTERM_GRACE_S, os._exit, (0,))
+        timer.daemon = True
+        timer.start()
+
+    def exit_with_parent():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, exit_later)
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
 def iterate(batches, workers: int, threads: int) -> Iterator[dict]:
     """The elements of ``batches`` in order: made in ``workers`` grain processes (one batch at
     a time each), or for 0 in ``threads`` threads of this one. Closes the workers at the end,
@@ -301,7 +331,7 @@ def iterate(batches, workers: int, threads: int) -> Iterator[dict]:
     dataset = dataset.to_iter_dataset(read)
     if workers:
         options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=2)
-        dataset = dataset.mp_prefetch(options)
+        dataset = dataset.mp_prefetch(options, worker_init_fn=_worker_init)
     iterator = iter(dataset)
     try:
         yield from iterator

@@ -5,6 +5,7 @@ replaces them, evaluation splits read once with the mask, and worker processes m
 batches of threads."""
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -228,3 +229,23 @@ def test_workers_default_and_validation():
     config.workers = -2
     with pytest.raises(ValueError, match="data.workers"):
         grain_pipeline.num_workers(config)
+
+
+def test_workers_outlive_a_group_sigterm_and_ctrl_c(tmp_path):
+    # A scheduler's SIGTERM (or a Ctrl-C) reaches the whole process group: the workers keep
+    # making the batches the training process needs to save and stop.
+    import psutil
+
+    _write_folder(tmp_path)
+    config = _config(tmp_path, "grain", workers=1, batch_size=3)
+    batches = iter(data.build_train_dataset(config, seed=0, epoch=0).as_numpy_iterator())
+    first = next(batches)
+    (worker,) = [
+        child
+        for child in psutil.Process().children()
+        if "spawn_main" in " ".join(child.cmdline()) and "resource_tracker" not in child.cmdline()
+    ]
+    worker.send_signal(signal.SIGTERM)
+    worker.send_signal(signal.SIGINT)
+    rest = list(batches)
+    assert len(rest) == 27 // 3 - 1 and first["index"].shape == (3,)
