@@ -59,6 +59,10 @@ SAFE_FIELDS = (
     # Which trunk blocks are recomputed in the backward pass: memory only, the same parameter
     # names and results (jssl.models.remat; tests/models/test_remat.py).
     "model.remat",
+    # The ViT's attention implementation (XLA's or cuDNN's, with its masked token padding): the
+    # same parameters and function, float rounding apart (tests/models/test_vit_attention.py);
+    # "auto" already picks per machine, so a resume on other hardware may change it.
+    "model.attention",
     "verify.*",  # engine=verify's steps and tolerances; training never reads them
 )
 

@@ -26,6 +26,8 @@ The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
                       Barlow Twins and VICReg set False)
   dtype               "float32" | "bfloat16" computation dtype
   remat               "none" | "full" | "dots": trunk blocks recomputed in the backward pass
+  attention           ViT attention: "auto" (cuDNN flash attention on a GPU that has it, with
+                      bfloat16 compute; XLA elsewhere) | "xla" | "cudnn"
   sync_bn             read by the caller, who passes ``bn_axis_name`` accordingly
 """
 
@@ -45,7 +47,7 @@ from jssl.models.regnet import RegNet
 from jssl.models.regnet import feature_dim as regnet_feature_dim
 from jssl.models.resnet import ResNet, feature_dim, supported_depths
 from jssl.models.vit import SIZES as VIT_SIZES
-from jssl.models.vit import VisionTransformer
+from jssl.models.vit import VisionTransformer, resolve_attention
 
 __all__ = [
     "MLPHead",
@@ -93,6 +95,10 @@ def default_config() -> ml_collections.ConfigDict:
     # Trunk blocks recomputed in the backward pass (jssl.models.remat): "none" | "full" (keep
     # each block's input) | "dots" (and its matmul outputs). Same results, less memory.
     m.remat = "none"
+    # ViT attention (jax.nn.dot_product_attention's implementation): "auto" (cuDNN's flash
+    # attention on a CUDA GPU of compute capability >= 8.0 with bfloat16 compute, XLA's
+    # elsewhere) | "xla" | "cudnn". cuDNN's pads the tokens to a multiple of 8, masked.
+    m.attention = "auto"
     return m
 
 
@@ -250,6 +256,9 @@ def build_vit(model_config: ml_collections.ConfigDict) -> VisionTransformer:
         pos_embed_init=str(model_config.get("pos_embed_init", "learned")),
         dtype=_dtype(model_config.dtype),
         remat=_remat(model_config),
+        attention=resolve_attention(
+            str(model_config.get("attention", "auto")), _dtype(model_config.dtype)
+        ),
         num_registers=registers,
         layerscale=layerscale,
         ffn=ffn,

@@ -37,6 +37,13 @@ replaces masked patches (``mask``: iBOT, DINOv2), only a subset of patches throu
 "Going deeper with image transformers"; DINOv2's blocks) and DINOv2's SwiGLU feed-forward.
 Stochastic depth draws each row's masks from a key given per row (``row_keys``), so a row's
 masks depend on the example, not on the device count or the micro-batch it runs in.
+
+Attention runs ``jax.nn.dot_product_attention`` with XLA's implementation or cuDNN's flash
+attention (``attention``; ``model.attention="auto"`` picks cuDNN on a GPU that has it).
+jax's cuDNN path refuses odd sequence lengths in training (197 tokens at 224 px, 37 at 96 px),
+so the trunk pads the tokens with zeros to a multiple of 8 once at its entry, masks the padded
+keys in every block (``key_value_seq_lengths``) and slices the padding off before any tap:
+the outputs and gradients are the unpadded ones (tests/models/test_vit_attention.py).
 """
 
 from __future__ import annotations
@@ -160,29 +167,91 @@ def swiglu_hidden(mlp_dim: int) -> int:
     return (int(mlp_dim * 2 / 3) + 7) // 8 * 8
 
 
+# jax.nn.dot_product_attention's implementations that model.attention chooses between (with
+# "auto": resolve_attention), and the token multiple each needs in training: cuDNN's flash
+# attention refuses odd lengths such as ViT-S/16's 197 tokens, so the trunk pads to 8.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+TOKEN_MULTIPLE = {"xla": 1, "cudnn": 8}
+
+
+def resolve_attention(name: str, dtype: Any) -> str:
+    """``model.attention`` -> the implementation the trunk runs: "xla" or "cudnn" as given,
+    "auto" cuDNN's flash attention where it runs (a CUDA GPU of compute capability 8.0 or
+    later, bfloat16 or float16 compute) and XLA's elsewhere. cuDNN takes no float32."""
+    if name not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"model.attention={name!r}: use 'auto' (cuDNN on a GPU that has it, else XLA), "
+            "'xla' or 'cudnn'."
+        )
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if name == "cudnn" and not half:
+        raise ValueError(
+            f"model.attention='cudnn' needs bfloat16 compute (cuDNN's flash attention takes "
+            f"no {jnp.dtype(dtype).name}): set --config.model.dtype=bfloat16, or "
+            "model.attention='xla'."
+        )
+    if name != "auto":
+        return name
+    return "cudnn" if half and _cudnn_attention_available() else "xla"
+
+
+def _cudnn_attention_available() -> bool:
+    """Whether the default backend is a CUDA GPU that cuDNN's flash attention supports
+    (Ampere or later; jax's ``fused_attention_stablehlo`` checks the same at trace time)."""
+    if jax.default_backend() != "gpu":
+        return False
+    device = jax.devices()[0]
+    if "cuda" not in device.client.platform_version:
+        return False
+    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0])
+    return major >= 8
+
+
+def pad_tokens(x: jax.Array, multiple: int) -> tuple[jax.Array, jax.Array | None]:
+    """(B, T, D) tokens -> zero-padded to a multiple of ``multiple`` and the (B,) int32 true
+    lengths that the blocks' attention masks the padded keys with; ``x`` and None when ``T``
+    already is one. The padded rows never reach a real token, so slicing them off afterwards
+    gives the unpadded outputs and gradients."""
+    b, t, _ = x.shape
+    padded = -(-t // multiple) * multiple
+    if padded == t:
+        return x, None
+    lengths = jnp.full((b,), t, jnp.int32)
+    return jnp.pad(x, ((0, 0), (0, padded - t), (0, 0))), lengths
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with timm's parameter layout: ``qkv`` (D -> 3D, ordered
-    [q | k | v] x heads x head_dim) and ``proj``."""
+    [q | k | v] x heads x head_dim) and ``proj``; keys past ``lengths[i]`` of row i (the
+    trunk's padding) are masked out. ``implementation``: jax.nn.dot_product_attention's."""
 
     num_heads: int
     dtype: Any = jnp.float32
+    implementation: str = "xla"
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
         b, t, d = x.shape
         dense = lambda n, name: nn.Dense(  # noqa: E731
             n, kernel_init=_trunc_normal, dtype=self.dtype, param_dtype=jnp.float32, name=name
         )
         qkv = dense(3 * d, "qkv")(x).reshape(b, t, 3, self.num_heads, d // self.num_heads)
         # (B, T, heads, head_dim) each; scale 1 / sqrt(head_dim), softmax in float32.
-        out = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        out = jax.nn.dot_product_attention(
+            qkv[:, :, 0],
+            qkv[:, :, 1],
+            qkv[:, :, 2],
+            key_value_seq_lengths=lengths,
+            implementation=self.implementation,
+        )
         return dense(d, "proj")(out.reshape(b, t, d))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + drop(ls1(attn(norm1(x))))``,
     ``x + drop(ls2(ffn(norm2(x))))``; LayerScale only with ``layerscale > 0``, the feed-forward
-    timm's GELU MLP or DINOv2's SwiGLU (``w12`` then ``w3``)."""
+    timm's GELU MLP or DINOv2's SwiGLU (``w12`` then ``w3``). ``lengths``: the true token
+    counts of a padded sequence (``pad_tokens``), whose padded keys attention masks out."""
 
     num_heads: int
     mlp_dim: int = 0  # 0: 4 x the width
@@ -190,9 +259,16 @@ class Block(nn.Module):
     dtype: Any = jnp.float32
     layerscale: float = 0.0  # LayerScale's initial value; 0: none
     ffn: str = "mlp"  # or "swiglu"
+    attention: str = "xla"  # jax.nn.dot_product_attention's implementation: "xla" | "cudnn"
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, keys: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        train: bool,
+        keys: jax.Array | None = None,
+        lengths: jax.Array | None = None,
+    ) -> jax.Array:
         d = x.shape[-1]
         norm = lambda name: nn.LayerNorm(  # noqa: E731
             epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name=name
@@ -207,7 +283,8 @@ class Block(nn.Module):
         if keys is not None:
             branch_keys = [jax.vmap(lambda k, b=b: jax.random.fold_in(k, b))(keys) for b in (0, 1)]
         drop = DropPath(self.drop_path)
-        h = Attention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x))
+        attention = Attention(self.num_heads, self.dtype, self.attention, name="attn")
+        h = attention(norm("norm1")(x), lengths)
         x = x + drop(scale("ls1")(h), train, branch_keys[0])
         h = norm("norm2")(x)
         width = self.mlp_dim or 4 * d
@@ -255,6 +332,12 @@ class VisionTransformer(nn.Module):
     layerscale: float = 0.0  # LayerScale's initial value on both branches; 0: none
     ffn: str = "mlp"  # "mlp" (timm's GELU MLP) or "swiglu" (DINOv2's SwiGLUFFNFused)
     mask_token: bool = False  # a learned token for masked patches (``mask=``)
+    # jax.nn.dot_product_attention's implementation, "xla" or "cudnn" (build_vit resolves
+    # model.attention="auto" with resolve_attention), and the multiple the token sequence is
+    # zero-padded to at the trunk's entry, the padded keys masked in every block: 0 for the
+    # implementation's own (TOKEN_MULTIPLE: 8 for cuDNN, none for XLA).
+    attention: str = "xla"
+    pad_tokens_to: int = 0
 
     @nn.compact
     def __call__(
@@ -266,6 +349,58 @@ class VisionTransformer(nn.Module):
         keep: jax.Array | None = None,
         row_keys: jax.Array | None = None,
     ) -> dict[str, jax.Array]:
+        if self.attention not in TOKEN_MULTIPLE:
+            raise ValueError(
+                f"VisionTransformer(attention={self.attention!r}): use 'xla' or 'cudnn' "
+                "(model.attention='auto' is resolved by jssl.models.vit.resolve_attention)."
+            )
+        x = self._tokens(x, mask, keep)
+        tokens, first_patch = x.shape[1], 1 + self.num_registers
+        x, lengths = pad_tokens(x, self.pad_tokens_to or TOKEN_MULTIPLE[self.attention])
+
+        norm = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name="norm")
+        taps: dict[str, jax.Array] = {}
+        block_cls = remat_lib.wrap(Block, self.remat, static_argnums=(2,))
+        for i in range(self.depth):
+            rate = self.drop_path_rate
+            if not self.drop_path_uniform:
+                rate = rate * i / max(self.depth - 1, 1)
+            keys = None
+            if train and rate > 0:
+                if row_keys is None:
+                    raise ValueError(
+                        f"model.drop_path_rate={self.drop_path_rate}: stochastic depth in "
+                        "training needs one key per row (row_keys=...); see "
+                        "jssl.methods.common.forward_crops."
+                    )
+                keys = jax.vmap(lambda k, i=i: jax.random.fold_in(k, i))(row_keys)
+            block = block_cls(
+                self.num_heads,
+                self.mlp_dim,
+                rate,
+                self.dtype,
+                self.layerscale,
+                self.ffn,
+                self.attention,
+                name=f"blocks_{i}",
+            )
+            x = block(x, train, keys, lengths)
+            if i < self.depth - 1:
+                taps[f"block{i + 1}"] = norm(x[:, 0])
+        x = norm(x[:, :tokens])  # the padding off before any tap reads the tokens
+        taps[f"block{self.depth}"] = x[:, 0]
+        taps["patch_tokens"] = x[:, first_patch:]
+        taps["patch_avg"] = jnp.mean(x[:, first_patch:], axis=1)
+        last4 = [taps[f"block{i}"] for i in range(max(self.depth - 3, 1), self.depth + 1)]
+        taps["concat_cls4"] = jnp.concatenate(last4, axis=-1)
+        taps["cls_patch_avg"] = jnp.concatenate([x[:, 0], taps["patch_avg"]], axis=-1)
+        taps["avgpool"] = x[:, 0]
+        return taps
+
+    def _tokens(self, x: jax.Array, mask: jax.Array | None, keep: jax.Array | None) -> jax.Array:
+        """Images (B, H, W, C) -> the blocks' input (B, 1 + registers + patches, D): patch
+        embeddings (masked ones replaced by the mask token, only ``keep``'s when given) plus
+        their position embeddings, after the class token and the registers."""
         p = self.patch_size
         if self.image_size % p:
             raise ValueError(f"ViT image_size {self.image_size} is not a multiple of patch {p}")
@@ -322,43 +457,4 @@ class VisionTransformer(nn.Module):
                 jnp.float32,
             )
             lead.append(jnp.broadcast_to(registers, (b, self.num_registers, d)))
-        x = jnp.concatenate([*lead, x], axis=1).astype(self.dtype)
-        first_patch = 1 + self.num_registers
-
-        norm = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, param_dtype=jnp.float32, name="norm")
-        taps: dict[str, jax.Array] = {}
-        block_cls = remat_lib.wrap(Block, self.remat, static_argnums=(2,))
-        for i in range(self.depth):
-            rate = self.drop_path_rate
-            if not self.drop_path_uniform:
-                rate = rate * i / max(self.depth - 1, 1)
-            keys = None
-            if train and rate > 0:
-                if row_keys is None:
-                    raise ValueError(
-                        f"model.drop_path_rate={self.drop_path_rate}: stochastic depth in "
-                        "training needs one key per row (row_keys=...); see "
-                        "jssl.methods.common.forward_crops."
-                    )
-                keys = jax.vmap(lambda k, i=i: jax.random.fold_in(k, i))(row_keys)
-            block = block_cls(
-                self.num_heads,
-                self.mlp_dim,
-                rate,
-                self.dtype,
-                self.layerscale,
-                self.ffn,
-                name=f"blocks_{i}",
-            )
-            x = block(x, train, keys)
-            if i < self.depth - 1:
-                taps[f"block{i + 1}"] = norm(x[:, 0])
-        x = norm(x)
-        taps[f"block{self.depth}"] = x[:, 0]
-        taps["patch_tokens"] = x[:, first_patch:]
-        taps["patch_avg"] = jnp.mean(x[:, first_patch:], axis=1)
-        last4 = [taps[f"block{i}"] for i in range(max(self.depth - 3, 1), self.depth + 1)]
-        taps["concat_cls4"] = jnp.concatenate(last4, axis=-1)
-        taps["cls_patch_avg"] = jnp.concatenate([x[:, 0], taps["patch_avg"]], axis=-1)
-        taps["avgpool"] = x[:, 0]
-        return taps
+        return jnp.concatenate([*lead, x], axis=1).astype(self.dtype)
