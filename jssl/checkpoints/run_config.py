@@ -97,19 +97,24 @@ def flatten(config: ml_collections.ConfigDict | dict[str, Any]) -> dict[str, Any
     return flat
 
 
+# Model fields that fix how the weights are computed with, not what they are: a workdir's
+# values are not carried to an evaluation of its checkpoints (which may run elsewhere).
+NUMERICS = ("model.dtype", "model.attention")
+
+
 def flags_to_match(
     path: str, config: ml_collections.ConfigDict, prefix: str = "model."
 ) -> list[str]:
     """``--config.<field>=<value>`` flags that set ``config``'s ``prefix`` fields to those
     recorded in the config.json of the jssl workdir that holds ``path`` (the workdir itself,
     its checkpoints dir or a checkpoint in it), for a message to show ready to paste. Empty
-    when ``path`` is in no workdir or nothing differs; ``model.dtype`` is left out (weights
-    fit whatever the compute dtype)."""
+    when ``path`` is in no workdir or nothing differs; the NUMERICS fields are left out
+    (weights fit whatever the compute dtype and attention kernel)."""
     recorded = recorded_config(path)
     current = flatten(config)
     flags = []
     for field, value in sorted(recorded.items()):
-        if not field.startswith(prefix) or field == "model.dtype" or field not in current:
+        if not field.startswith(prefix) or field in NUMERICS or field not in current:
             continue
         if not same_value(value, current[field]):
             flags.append(f"--config.{field}={shlex.quote(flag_value(value))}")

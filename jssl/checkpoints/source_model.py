@@ -16,6 +16,7 @@ import ml_collections
 from absl import logging
 
 from jssl import models
+from jssl.checkpoints import run_config
 from jssl.checkpoints import workdir as workdir_lib
 
 ENGINES = ("extract_features", "knn", "linear_eval", "export", "evaluate", "test_loss")
@@ -63,8 +64,9 @@ def adopt(
     explicit = set(explicit)
     applied = []
     for field, value in sorted(recorded.items()):
-        # The compute dtype is the evaluation's choice, not a property of the weights.
-        if not field.startswith("model.") or field in explicit or field == "model.dtype":
+        # The compute dtype and the attention kernel are the evaluation's machine's choice,
+        # not properties of the weights.
+        if not field.startswith("model.") or field in explicit or field in run_config.NUMERICS:
             continue
         name = field[len("model.") :]
         if name not in config.model or "." in name or (training and name not in TRUNK_FIELDS):

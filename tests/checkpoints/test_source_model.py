@@ -33,6 +33,17 @@ def test_knn_takes_the_vit_model_of_a_dino_workdir(tmp_path):
     assert isinstance(config.model.head_dims, tuple)
 
 
+def test_the_compute_dtype_and_attention_kernel_stay_the_evaluations(tmp_path):
+    # A workdir trained with cuDNN attention in bf16 on a GPU is evaluated anywhere.
+    trained = dino.get_config("demo_vit")
+    trained.model.update(dict(dtype="bfloat16", attention="cudnn"))
+    config = knn.get_config("demo")
+    config.init.checkpoint = _workdir(tmp_path, trained)
+    applied = source_model.adopt(config, str(tmp_path / "eval"))
+    assert (config.model.dtype, config.model.attention) == ("float32", "auto")
+    assert not any("dtype" in flag or "attention" in flag for flag in applied)
+
+
 def test_a_field_given_on_the_command_line_wins(tmp_path):
     trained = moco.get_config("demo")
     trained.model.width_multiplier = 0.5
