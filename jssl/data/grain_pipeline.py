@@ -7,11 +7,11 @@ back in order, and each worker reads the data by index. The order is jssl.data.o
 tf.data: a seeded permutation of the train split per epoch, process p reading its rows of every
 global batch, so a global batch holds the same examples on any number of processes or devices
 and a resumed run starts at the batch after its checkpoint. A crop is a function of (seed,
-epoch, dataset index, crop number) alone (jssl.data.numpy_pipeline.view_words: the box, the
-flip and the seeds from which the train step makes the rest of the view,
-jssl.data.device_augment), so the views are the numpy demo pipeline's too, up to the resize's
-rounding. Where no crop group needs more than crop and flip, the host finishes the views
-(normalised float32).
+epoch, dataset index, crop number) alone (jssl.data.keyed_crops: the box, the flip and the
+seeds from which the train step makes the rest of the view, jssl.data.device_augment), so the
+views are those of the numpy demo pipeline and of tf.data with data.augment.on_device, up to
+the resize's rounding. Where no crop group needs more than crop and flip, the host finishes
+the views (normalised float32).
 
 The train engine reads one grain iterator for the whole run (``run_batches``), so the worker
 processes start once, not every epoch; evaluation splits are read in threads of this process
@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import numpy as np
 from absl import flags, logging
 
-from jssl.data import backend, crops, demo, numpy_pipeline, order, pil_images, sources, splits
+from jssl.data import backend, crops, demo, keyed_crops, order, pil_images, sources, splits
 
 _MAX_WORKERS = 32
 # A worker's life after a SIGTERM sent to the whole process group (SLURM's scancel, a
@@ -208,7 +208,7 @@ def train_batch(data_config, rows: list, *, seed: int, epoch: int) -> dict:
 
     indices = [row[0] for row in rows]
     groups = crops.crop_groups(data_config)
-    batch = numpy_pipeline.keyed_views(indices, groups, view, seed=seed, epoch=epoch)
+    batch = keyed_crops.keyed_views(indices, groups, view, seed=seed, epoch=epoch)
     if not on_device:
         del batch["aug_seeds"]
     batch.update(
@@ -220,19 +220,17 @@ def train_batch(data_config, rows: list, *, seed: int, epoch: int) -> dict:
 
 
 def host_view(image, words: np.ndarray, group: crops.CropGroup, augment, finish: bool):
-    """One crop of a Pillow image and its (3, 2) uint32 step seeds, drawn from ``words`` as
-    jssl.data.numpy_pipeline.host_view draws them: uint8, or with ``finish`` the float32
-    normalised view."""
-    uniforms = (words[numpy_pipeline.SEED_WORDS :] / 2.0**32).tolist()
+    """One crop of a Pillow image and its (3, 2) uint32 step seeds, drawn from ``words`` by
+    jssl.data.keyed_crops: uint8, or with ``finish`` the float32 normalised view."""
     width, height = image.size
-    box = numpy_pipeline.crop_window(height, width, group.scale, augment.crop_ratio, uniforms[1:])
-    crop = pil_images.crop_resize(image, box, group.size)
-    if uniforms[0] < group.flip_prob:
+    draw = keyed_crops.crop_draw(words, height, width, group, augment.crop_ratio)
+    crop = pil_images.crop_resize(image, draw.box, group.size)
+    if draw.flip:
         crop = crop[:, ::-1]
     if finish:
         crop = crop.astype(np.float32) / np.float32(255.0)
         crop = (crop - np.asarray(augment.mean, np.float32)) / np.asarray(augment.std, np.float32)
-    return crop, words[: numpy_pipeline.SEED_WORDS].reshape(3, 2)
+    return crop, draw.seeds
 
 
 class EvalBatches:

@@ -7,14 +7,11 @@ order (jssl.data.order: a seeded permutation per epoch, this process's rows of e
 batch), so a run resumes and shards the same way.
 
 The host makes only each crop's box, resize and flip, as uint8, and hands the train step the
-crop's colour, blur and solarise seeds (jssl.data.device_augment; the colour seed also keys
-RandAugment and random erasing), as data.augment.on_device does on tf.data. Where no crop group
-needs more than crop and flip (the linear heads' training images) the host finishes the views
-itself: float32, normalised. A crop's randomness is a
-function of (seed, epoch, dataset index, crop number) alone, so the views are the same on any
-number of processes and after a resume; the draws are numpy's, so they follow the tf.data
-pipeline's distributions (the crop box is tf.image.sample_distorted_bounding_box's algorithm,
-the resize bilinear with antialiasing) without being the same views.
+crop's colour, blur and solarise seeds (jssl.data.device_augment), as data.augment.on_device
+does on tf.data; where no crop group needs more than crop and flip (the linear heads' training
+images) it finishes the views itself: float32, normalised. The draws are jssl.data.keyed_crops's,
+a function of (seed, epoch, dataset index, crop number) alone and the same as tf.data's with
+data.augment.on_device; the resize is tf.image.resize's bilinear with antialiasing.
 """
 
 from __future__ import annotations
@@ -25,12 +22,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jssl.data import backend, crops, demo, order, sources, splits
-
-_MAX_ATTEMPTS = 10  # crop boxes tried before the whole image is used (transforms.crop_window)
-SEED_WORDS = 6  # the step's colour, blur and solarise seeds: (3, 2) uint32
-_WORDS = SEED_WORDS + 1 + 4 * _MAX_ATTEMPTS  # + the flip's coin + 4 draws per box attempt
-_VIEWS_STREAM = 0x6A73736C  # keeps the views' seeds apart from order.epoch_seed's
+from jssl.data import backend, crops, demo, keyed_crops, order, sources, splits
 
 
 class Batches:
@@ -71,101 +63,25 @@ def resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.matmul(resize_weights(image.shape[1], width), rows)
 
 
-def _box(height: int, width: int, scale, aspect: float, draws: np.ndarray):
-    """One attempt of tf.image.sample_distorted_bounding_box's GenerateRandomCrop
-    (tensorflow/core/kernels/image/sample_distorted_bounding_box_op.cc) with uniform ``draws``
-    in [0, 1): (top, left, h, w), or None where the area constraints cannot be met. Python's
-    round() rounds half to even, as the kernel's lrintf."""
-    min_area, max_area = scale[0] * width * height, scale[1] * width * height
-    h = round(math.sqrt(min_area / aspect))
-    max_h = round(math.sqrt(max_area / aspect))
-    if round(max_h * aspect) > width:
-        max_h = int((width + 0.5 - 1e-7) / aspect)
-        if round(max_h * aspect) > width:
-            max_h -= 1
-    max_h = min(max_h, height)
-    h = min(h, max_h)
-    if h < max_h:
-        h += int(draws[0] * (max_h - h + 1))
-    w = round(h * aspect)
-    if w * h < min_area:
-        h += 1
-        w = round(h * aspect)
-    if w * h > max_area:
-        h -= 1
-        w = round(h * aspect)
-    area = w * h
-    if area < max(min_area, 1) or area > max_area or w > width or h > height or w <= 0:
-        return None
-    top = int(draws[1] * (height - h)) if h < height else 0
-    left = int(draws[2] * (width - w)) if w < width else 0
-    return top, left, h, w
-
-
-def crop_window(height: int, width: int, scale, ratio, draws) -> tuple[int, int, int, int]:
-    """(top, left, h, w) of a random resized crop from 4 * _MAX_ATTEMPTS uniform ``draws``:
-    transforms.crop_window's box (area fraction in ``scale``, aspect ratio uniform in
-    ``ratio``), the whole image when no attempt fits."""
-    for a in range(_MAX_ATTEMPTS):
-        attempt = draws[4 * a : 4 * a + 4]
-        aspect = attempt[0] * (ratio[1] - ratio[0]) + ratio[0]
-        box = _box(height, width, scale, aspect, attempt[1:])
-        if box is not None:
-            return box
-    return 0, 0, height, width
-
-
-def view_words(seed: int, epoch: int, index: int, crop: int) -> np.ndarray:
-    """The _WORDS uint32 random words of one crop: a function of its key alone."""
-    key = [seed, epoch, index, crop, _VIEWS_STREAM]
-    return np.random.SeedSequence(key).generate_state(_WORDS, np.uint32)
-
-
-def keyed_views(indices: list[int], groups, view, *, seed: int, epoch: int) -> dict:
-    """{"crops", "aug_seeds"}: one (n, num_crops, ...) array per crop group of the views
-    ``view(index, words, group) -> (crop, seeds)`` makes of each example from its crops' keyed
-    words (view_words: crop numbers run over the groups in order)."""
-    views, seeds = [[] for _ in groups], [[] for _ in groups]
-    for index in indices:
-        c = 0
-        for g, group in enumerate(groups):
-            for _ in range(group.num_crops):
-                crop, crop_seeds = view(index, view_words(seed, epoch, index, c), group)
-                views[g].append(crop)
-                seeds[g].append(crop_seeds)
-                c += 1
-
-    def per_example(g: int, items: list) -> np.ndarray:  # (n * crops, ...) -> (n, crops, ...)
-        stacked = np.stack(items)
-        return stacked.reshape(len(indices), groups[g].num_crops, *stacked.shape[1:])
-
-    return {
-        "crops": tuple(per_example(g, v) for g, v in enumerate(views)),
-        "aug_seeds": tuple(per_example(g, s) for g, s in enumerate(seeds)),
-    }
-
-
 def host_view(
     image: np.ndarray, words: np.ndarray, group: crops.CropGroup, augment, finish: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """One crop of a uint8 (H, W, 3) image and the (3, 2) uint32 seeds from which the step makes
-    the rest of its view: the crop in uint8, or with ``finish`` (crop and flip are all the view
-    needs) the float32 normalised view."""
-    uniforms = (words[SEED_WORDS:] / 2.0**32).tolist()  # python floats: the box is scalar work
-    top, left, h, w = crop_window(
-        image.shape[0], image.shape[1], group.scale, augment.crop_ratio, uniforms[1:]
-    )
+    the rest of its view (jssl.data.keyed_crops draws both from ``words``): the crop in uint8,
+    or with ``finish`` (crop and flip are all the view needs) the float32 normalised view."""
+    draw = keyed_crops.crop_draw(words, image.shape[0], image.shape[1], group, augment.crop_ratio)
+    top, left, h, w = draw.box
     crop = image[top : top + h, left : left + w]
     if finish:  # the host path's float view (transforms.random_resized_crop, then normalize)
         crop = resize(crop.astype(np.float32) / 255.0, group.size, group.size).clip(0.0, 1.0)
     else:  # crops.host_crops: round half up to uint8
         crop = np.clip(resize(crop.astype(np.float32), group.size, group.size) + 0.5, 0, 255)
         crop = crop.astype(np.uint8)
-    if uniforms[0] < group.flip_prob:
+    if draw.flip:
         crop = crop[:, ::-1]
     if finish:
         crop = (crop - np.asarray(augment.mean, np.float32)) / np.asarray(augment.std, np.float32)
-    return crop, words[:SEED_WORDS].reshape(3, 2)
+    return crop, draw.seeds
 
 
 def _split_arrays(source: sources.SplitSource) -> tuple[np.ndarray, np.ndarray]:
@@ -204,7 +120,9 @@ def build_train_dataset(
         def view(index, words, group):
             return host_view(images[index], words, group, augment, finish)
 
-        out = keyed_views([int(i) for i in indices], groups, view, seed=seed, epoch=epoch)
+        out = keyed_crops.keyed_views(
+            [int(i) for i in indices], groups, view, seed=seed, epoch=epoch
+        )
         if not on_device:
             del out["aug_seeds"]
         out.update(

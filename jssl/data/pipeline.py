@@ -105,9 +105,10 @@ def _crops_fn(data_config, seed: int, epoch: int):
     views = _views_fn(data_config)
 
     def make_crops(example):
-        example_seed = transforms.example_seed(seed, epoch, example["index"])
+        index = tf.cast(example["index"], tf.int64)
+        key = tf.stack([tf.constant(seed, tf.int64), tf.constant(epoch, tf.int64), index])
         row = {"label": example["label"], "index": example["index"]}
-        row.update(views(example["image"], example_seed))
+        row.update(views(example["image"], key))
         return {**row, "replaced": example["replaced"]}
 
     return make_crops
@@ -120,18 +121,19 @@ _VIEWS: dict[str, Any] = {}
 
 
 def _views_fn(data_config):
-    """``(uint8 image, example seed) -> {"crops"[, "aug_seeds"]}``, one traced graph per
-    process for each crop-group and augmentation setting."""
+    """``(uint8 image, int64 (seed, epoch, index)) -> {"crops"[, "aug_seeds"]}``, one traced
+    graph per process for each crop-group and augmentation setting."""
     groups = crops.crop_groups(data_config)
     augment = data_config.augment
     on_device = augment.get("on_device", False)
     key = repr((groups, sorted(augment.to_dict().items(), key=lambda kv: kv[0])))
     if key not in _VIEWS:
 
-        def views(image, example_seed):
+        def views(image, key):
             if on_device:  # crop + flip in uint8; colour, blur, ... in the step (device_augment)
-                crops_, seeds = transforms.host_crops(image, example_seed, groups, augment)
+                crops_, seeds = transforms.host_crops(image, key, groups, augment)
                 return {"crops": crops_, "aug_seeds": seeds}
+            example_seed = transforms.example_seed(key[0], key[1], key[2])
             image = tf.image.convert_image_dtype(image, tf.float32)
             return {"crops": transforms.make_crops(image, example_seed, groups, augment)}
 
@@ -139,7 +141,7 @@ def _views_fn(data_config):
             views,
             input_signature=(
                 tf.TensorSpec([None, None, 3], tf.uint8),
-                tf.TensorSpec([2], tf.int64),
+                tf.TensorSpec([3], tf.int64),
             ),
             autograph=False,
         )

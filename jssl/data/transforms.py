@@ -7,7 +7,8 @@ VISSL's SimCLR/MoCo-v2 pipeline (RandomResizedCrop, RandomHorizontalFlip, ImgPil
 ImgPilGaussianBlur, ImgPilRandomSolarize, ToTensor, Normalize; vissl/configs/config/pretrain/simclr
 and vissl/data/ssl_transforms/img_pil_*.py), and `eval_image` is the usual resize + centre crop.
 `make_crops` makes one example's crops of every crop group (jssl.data.crops), and `host_crops`
-only their crop and flip where the train step makes the rest (jssl.data.device_augment). A
+only their crop and flip where the train step makes the rest (jssl.data.device_augment), from
+jssl.data.keyed_crops's draws, those of grain and the numpy pipeline. A
 group with RandAugment or random erasing (the ViT fine-tuning recipes, jssl.data.randaugment)
 gets RandAugment after the flip and random erasing after the normalisation, as timm's
 transforms_imagenet_train orders them.
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from jssl.data import crops, randaugment
+from jssl.data import crops, keyed_crops, keyed_crops_tf, randaugment
 from jssl.data.crops import CropGroup, blur_radius
 
 Seed = tf.Tensor  # shape (2,), int32 or int64
@@ -293,36 +294,42 @@ def make_crops(
 
 
 def host_crops(
-    image: tf.Tensor, seed: tf.Tensor, groups: Sequence[CropGroup], augment
+    image: tf.Tensor, key: tf.Tensor, groups: Sequence[CropGroup], augment
 ) -> tuple[tuple[tf.Tensor, ...], tuple[tf.Tensor, ...]]:
-    """The host's half of make_crops with data.augment.on_device: crop and flip only.
+    """The host's half of the views with data.augment.on_device: crop and flip only.
 
-    ``image`` is the decoded image, uint8 or float in [0, 1]. Returns (crops, seeds), per
-    group a (num_crops, S, S, 3) uint8 tensor and a (num_crops, 3, 2) uint32 tensor: each
-    crop's colour, blur and solarize sub-seeds (view_seeds, the host path's; the
-    low 32 bits of each int64 half), which jssl.data.device_augment turns into the JAX keys
-    of the rest of the view (the colour key also keys RandAugment and random erasing). The
-    crop box, resize and flip are make_crops's; the crop is then rounded to uint8.
+    ``image`` is the decoded image, uint8 or float in [0, 1]; ``key`` the example's int64
+    (seed, epoch, index). Returns (crops, seeds), per group a (num_crops, S, S, 3) uint8 tensor
+    and a (num_crops, 3, 2) uint32 tensor: each crop's colour, blur and solarize seeds, which
+    jssl.data.device_augment turns into the JAX keys of the rest of the view (the colour key
+    also keys RandAugment and random erasing). Boxes, flips and seeds are jssl.data.keyed_crops's
+    draws for the key, so grain and the numpy pipeline make the same crops; the crop is resized
+    as make_crops resizes, then rounded to uint8.
     """
-    seeds = tf.random.experimental.stateless_split(seed, sum(g.num_crops for g in groups))
-    out_crops, out_seeds, c = [], [], 0
+    num_crops = sum(g.num_crops for g in groups)
+    words = keyed_crops_tf.example_words(key, num_crops)
+    uniforms = tf.cast(words[:, keyed_crops.SEED_WORDS :], tf.float64) / 2.0**32
+    seeds = tf.reshape(words[:, : keyed_crops.SEED_WORDS], [num_crops, 3, 2])
     shape = tf.shape(image)
     scale = 255.0 if image.dtype.is_floating else 1.0
+    out_crops, out_seeds, c = [], [], 0
     for group in groups:
-        views, crop_seeds = [], []
+        views = []
         for _ in range(group.num_crops):
-            crop_s, flip_s, color_s, blur_s, solar_s = view_seeds(seeds[c])
-            begin, size = crop_window(shape, crop_s, group.scale, augment.crop_ratio)
-            crop = tf.slice(image, begin, size)
+            box = keyed_crops_tf.crop_window(
+                shape[0], shape[1], group.scale, augment.crop_ratio, uniforms[c, 1:]
+            )
+            crop = tf.slice(image, [box[0], box[1], 0], [box[2], box[3], 3])
             # Resize gives float32 in the input's range: [0, 255] from uint8 (cached splits),
             # [0, 1] from the float decoders.
             crop = tf.image.resize(crop, (group.size, group.size), "bilinear", antialias=True)
             # Round half up; the flip (exact) then moves a quarter of the bytes.
             crop = tf.saturate_cast(crop * scale + 0.5, tf.uint8)
-            views.append(random_flip(crop, flip_s, group.flip_prob))
-            low_bits = tf.bitwise.bitwise_and(tf.stack([color_s, blur_s, solar_s]), 0xFFFFFFFF)
-            crop_seeds.append(tf.cast(low_bits, tf.uint32))
+            flip = uniforms[c, 0] < group.flip_prob  # a cond: a select of images costs more
+            views.append(
+                tf.cond(flip, lambda x=crop: tf.image.flip_left_right(x), lambda x=crop: x)
+            )
             c += 1
         out_crops.append(tf.stack(views))
-        out_seeds.append(tf.stack(crop_seeds))
+        out_seeds.append(seeds[c - group.num_crops : c])
     return tuple(out_crops), tuple(out_seeds)

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from jssl.data import crops, default_config, transforms  # noqa: E402
+from jssl.data import crops, default_config, keyed_crops, numpy_pipeline, transforms  # noqa: E402
 from jssl.data import device_augment as dev  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,10 +147,10 @@ def _host_views(image, seeds, group, augment):
     return np.stack(list(ds.as_numpy_iterator()))
 
 
-def _device_views(image, seeds, group, augment):
-    """host_crops then the step's augmentation, one view per example seed."""
-    ds = tf.data.Dataset.from_tensor_slices(seeds).map(
-        lambda s: transforms.host_crops(tf.constant(image), s, [group], augment)
+def _device_views(image, keys, group, augment):
+    """host_crops then the step's augmentation, one view per example key."""
+    ds = tf.data.Dataset.from_tensor_slices(keys).map(
+        lambda k: transforms.host_crops(tf.constant(image), k, [group], augment)
     )
     rows = list(ds.as_numpy_iterator())
     uint8 = np.stack([r[0][0] for r in rows])  # (n, 1, S, S, 3)
@@ -168,11 +168,12 @@ def test_views_agree_in_distribution_with_the_host_path():
     image = _image(32, 28, seed=1)
     n = 400
     seeds = np.stack([np.arange(n), np.full(n, 7)], 1).astype(np.int64)
+    keys = np.stack([np.full(n, 7), np.zeros(n), np.arange(n)], 1).astype(np.int64)
     mean, std = np.array(augment.mean), np.array(augment.std)
     stats = {}
     for name, views in [
         ("host", _host_views(image, seeds, group, augment)),
-        ("device", _device_views(image, seeds, group, augment)),
+        ("device", _device_views(image, keys, group, augment)),
     ]:
         pixels = views * std + mean
         stats[name] = {
@@ -203,10 +204,11 @@ def test_randaugment_and_erasing_views_agree_in_distribution_with_the_host_path(
     image = _image(32, 28, seed=4)
     n = 300
     seeds = np.stack([np.arange(n), np.full(n, 11)], 1).astype(np.int64)
+    keys = np.stack([np.full(n, 11), np.zeros(n), np.arange(n)], 1).astype(np.int64)
     stats = {}
     for name, views in [
         ("host", _host_views(image, seeds, group, augment)),
-        ("device", _device_views(image, seeds, group, augment)),
+        ("device", _device_views(image, keys, group, augment)),
     ]:
         stats[name] = {
             "mean": views.mean(axis=(1, 2, 3)),  # brightness, solarize, invert, erasing
@@ -221,30 +223,36 @@ def test_randaugment_and_erasing_views_agree_in_distribution_with_the_host_path(
         assert 0.75 < device.std() / host.std() < 1.33, (key, host.std(), device.std())
 
 
-def test_crop_and_flip_match_the_host_path_up_to_uint8():
-    # No photometric op: the device path's view is the host's, but for the uint8 rounding.
+def test_crop_and_flip_are_the_keyed_draws_up_to_uint8():
+    # No photometric op: the device path's view is the keyed draws' float view (the numpy
+    # pipeline's, whose resize is tf.image.resize's), but for the uint8 rounding.
     config = _data_config(color_jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0)
     config.augment.num_crops = (2, 3)
     config.augment.crop_sizes = (SIZE, 8)
     groups = crops.crop_groups(config)
     image = _image(40, 30, seed=2)
-    seed = tf.constant([5, 9], tf.int64)
-    host = transforms.make_crops(tf.constant(image), seed, groups, config.augment)
+    key = tf.constant([5, 9, 3], tf.int64)
+    words = [keyed_crops.view_words(5, 9, 3, c) for c in range(5)]
+    owners = [0, 0, 1, 1, 1]
+    expected = [
+        numpy_pipeline.host_view(image * 255, w, groups[g], config.augment, finish=True)
+        for w, g in zip(words, owners, strict=True)
+    ]
     for source in (image, (image * 255).round().astype(np.uint8)):
-        uint8, aug_seeds = transforms.host_crops(tf.constant(source), seed, groups, config.augment)
+        uint8, aug_seeds = transforms.host_crops(tf.constant(source), key, groups, config.augment)
         augment = dev.make_batch_augment(_on_device(config))
         batch = {"crops": tuple(c.numpy()[None] for c in uint8)}
         batch["aug_seeds"] = tuple(s.numpy()[None] for s in aug_seeds)
         views = jax.jit(augment)(batch)["crops"]
+        first = 0
         for g, group in enumerate(groups):
-            assert uint8[g].dtype == tf.uint8 and views[g].shape == (
-                1,
-                group.num_crops,
-                *[group.size] * 2,
-                3,
-            )
+            assert uint8[g].dtype == tf.uint8
+            assert views[g].shape == (1, group.num_crops, group.size, group.size, 3)
+            mine = expected[first : first + group.num_crops]
+            np.testing.assert_array_equal(aug_seeds[g], np.stack([e[1] for e in mine]))
             quantum = 1.0 / 255 / min(config.augment.std)
-            np.testing.assert_allclose(views[g][0], host[g].numpy(), atol=quantum)
+            np.testing.assert_allclose(views[g][0], np.stack([e[0] for e in mine]), atol=quantum)
+            first += group.num_crops
 
 
 def _on_device(config):

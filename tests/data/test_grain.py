@@ -1,8 +1,8 @@
 """The grain pipeline against tf.data: the same examples in the same rows for every process and
-step, mid-epoch resume and across epochs, the same decoded pixels of a PNG folder, the numpy
-pipeline's crop boxes and step seeds for the same keys, unreadable images replaced as tf.data
-replaces them, evaluation splits read once with the mask, and worker processes making the
-batches of threads."""
+step, mid-epoch resume and across epochs, the same decoded pixels of a PNG folder, the same crop
+boxes, flips and step seeds for the same keys (the numpy pipeline's, and tf.data's with
+data.augment.on_device), unreadable images replaced as tf.data replaces them, evaluation
+splits read once with the mask, and worker processes making the batches of threads."""
 
 import os
 import signal
@@ -13,7 +13,7 @@ import tensorflow as tf
 from PIL import Image
 
 import jssl.data as data
-from jssl.data import grain_pipeline, numpy_pipeline, pil_images, sources
+from jssl.data import grain_pipeline, keyed_crops, pil_images, sources
 
 
 def _write_folder(root, classes=3, per_class=9, split="train"):
@@ -160,16 +160,14 @@ def test_crops_follow_the_numpy_pipelines_keys():
             assert diff.max() <= 3 and diff.mean() < 0.5, (diff.max(), diff.mean())
 
 
-def test_box_is_the_numpy_pipelines(tmp_path):
+def test_box_is_the_keyed_draws(tmp_path):
     # The same words give the same box: a crop of an image of distinct pixels is its box.
-    words = numpy_pipeline.view_words(0, 0, 5, 1)
+    words = keyed_crops.view_words(0, 0, 5, 1)
     height, width = 40, 30
     group = data.crop_groups(data.default_config())[0]._replace(size=8, flip_prob=0.0)
     augment = data.default_config().augment
-    uniforms = (words[numpy_pipeline.SEED_WORDS :] / 2.0**32).tolist()
-    top, left, h, w = numpy_pipeline.crop_window(
-        height, width, group.scale, augment.crop_ratio, uniforms[1:]
-    )
+    draw = keyed_crops.crop_draw(words, height, width, group, augment.crop_ratio)
+    top, _, h, _ = draw.box
     rows = np.repeat(np.arange(height, dtype=np.uint8)[:, None], width, axis=1)
     image = Image.fromarray(np.stack([rows, rows, rows], axis=-1))
     crop, seeds = grain_pipeline.host_view(image, words, group, augment, finish=False)
@@ -177,6 +175,21 @@ def test_box_is_the_numpy_pipelines(tmp_path):
     # Row values run top .. top + h - 1 inside the box, resized: first and last rows near them.
     assert abs(int(crop[0, 0, 0]) - top) <= max(1, h // 8)
     assert abs(int(crop[-1, 0, 0]) - (top + h - 1)) <= max(1, h // 8)
+
+
+def test_same_crops_and_seeds_as_tf_data_on_device(tmp_path):
+    # data.augment.on_device: tf.data draws jssl.data.keyed_crops's boxes, flips and seeds too,
+    # so the batches differ only by the resize's rounding (TensorFlow's against Pillow's).
+    _write_folder(tmp_path)
+    kwargs = dict(process_count=1, seed=2, epoch=3)
+    overrides = dict(image_size=12)
+    grain = _epoch(_config(tmp_path, "grain", **overrides), **kwargs)[0]
+    tf_data = _epoch(_config(tmp_path, "tf", **overrides), **kwargs)[0]
+    for g, t in zip(grain, tf_data, strict=True):
+        np.testing.assert_array_equal(g["index"], t["index"])
+        np.testing.assert_array_equal(g["aug_seeds"][0], t["aug_seeds"][0])
+        diff = np.abs(g["crops"][0].astype(int) - t["crops"][0].astype(int))
+        assert diff.max() <= 3 and diff.mean() < 0.5, (diff.max(), diff.mean())
 
 
 def test_unreadable_images_replaced_as_tf_data_does(tmp_path, caplog):

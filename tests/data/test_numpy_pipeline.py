@@ -10,7 +10,16 @@ import tensorflow_datasets as tfds
 from support.launch import prepare_shared_dirs
 
 import jssl.data as data
-from jssl.data import backend, crops, demo, device_augment, numpy_pipeline, sources, transforms
+from jssl.data import (
+    backend,
+    crops,
+    demo,
+    device_augment,
+    keyed_crops,
+    numpy_pipeline,
+    sources,
+    transforms,
+)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +138,8 @@ def test_crop_boxes_follow_tf_distribution():
     for i in range(n):
         begin, size = transforms.crop_window(tf.constant([32, 32, 3]), [i, 7], scale, ratio)
         theirs.append((*begin.numpy()[:2], *size.numpy()[:2]))
-        draws = (numpy_pipeline.view_words(0, 0, i, 0)[7:] / 2.0**32).tolist()
-        ours.append(numpy_pipeline.crop_window(32, 32, scale, ratio, draws))
+        draws = (keyed_crops.view_words(0, 0, i, 0)[7:] / 2.0**32).tolist()
+        ours.append(keyed_crops.crop_window(32, 32, scale, ratio, draws))
     ours, theirs = np.asarray(ours), np.asarray(theirs)
     for boxes in (ours, theirs):
         assert (boxes[:, :2] >= 0).all() and (boxes[:, :2] + boxes[:, 2:] <= 32).all()
