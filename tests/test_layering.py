@@ -1,6 +1,7 @@
 """The import structure docs/design.md describes: no two modules of jssl import each other in
-a loop (deferred imports inside functions included), and no package imports one above it in
-the design's table. Read from the source files' syntax trees; nothing is imported."""
+a loop (deferred imports inside functions and imports for type checking only included), and no
+package imports one above it in the design's table. Read from the source files' syntax trees;
+nothing is imported."""
 
 from __future__ import annotations
 
@@ -38,14 +39,11 @@ def _modules() -> dict[str, str]:
 
 
 class _Imports(ast.NodeVisitor):
-    """The jssl modules one file imports, at any depth but under ``if TYPE_CHECKING``."""
+    """The jssl modules one file imports, at any depth (``if TYPE_CHECKING`` blocks too: a loop
+    of annotations is still a loop of the design)."""
 
     def __init__(self, modules: dict[str, str]):
         self.modules, self.found = modules, set()
-
-    def visit_If(self, node: ast.If) -> None:
-        if "TYPE_CHECKING" not in ast.unparse(node.test):
-            self.generic_visit(node)
 
     def visit_Import(self, node: ast.Import) -> None:
         self.found.update(a.name for a in node.names if a.name in self.modules)

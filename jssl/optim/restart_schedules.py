@@ -12,14 +12,12 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:  # jssl.optim.schedules imports this module
-    from jssl.optim.schedules import Schedule
+Schedule = Callable[[jax.Array], jax.Array]  # step -> value (jssl.optim.schedules' alias)
 
 RESTART_WAVE_TYPES = ("half", "full")
 

@@ -26,7 +26,6 @@ waves are in :mod:`jssl.optim.restart_schedules`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,9 +34,12 @@ import ml_collections
 import optax
 from absl import logging
 
-from jssl.optim.restart_schedules import RESTART_WAVE_TYPES, cosine_warm_restart, first_step_where
-
-Schedule = Callable[[jax.Array], jax.Array]
+from jssl.optim.restart_schedules import (
+    RESTART_WAVE_TYPES,
+    Schedule,
+    cosine_warm_restart,
+    first_step_where,
+)
 
 SCHEDULES = ("multistep", "cosine", "constant", "cosine_warm_restart", "inverse_sqrt")
 LR_SCALINGS = ("linear", "sqrt")
