@@ -34,8 +34,8 @@ over strata of the range); KoLeo's groups are fixed slices of the global batch, 
 patch centre (``centering``) is the mean over the global batch's masked patches (DINOv2
 averages the GPUs' means); the schedules are per step in epochs of the data (DINOv2's epoch
 is 1250 iterations: the presets convert); gradients are clipped by the global norm of every
-parameter together (DINOv2: the backbone's and each head's separately); LayerScale gets weight
-decay and drop path grows linearly over the blocks (DINOv2: neither; see docs/methods.md).
+parameter together (DINOv2: the backbone's and each head's separately). As in DINOv2, the
+presets exempt LayerScale from weight decay and drop every block at the one rate.
 """
 
 from __future__ import annotations
