@@ -172,8 +172,42 @@ def swav_crop_losses(
       of the codes, ``swapped_acc``: how often a crop's predicted prototype is the target's).
     """
     scores = _stack_crops(scores, "scores")
-    num_crops, batch, num_prototypes = scores.shape
+    num_crops, batch, _ = scores.shape
     crops_for_assign = tuple(int(c) for c in crops_for_assign)
+    _check_inputs(scores.shape, crops_for_assign, queue_scores)
+    dtype = _precision(use_double_precision)
+    # VISSL computes the log-softmax in float64 too when use_double_precision is set.
+    log_prob = jax.nn.log_softmax(scores.astype(dtype) / jnp.asarray(temperature, dtype), -1)
+    sinkhorn = dict(
+        epsilon=epsilon,
+        num_iters=num_iters,
+        axis_name=axis_name,
+        hard_assignment=hard_assignment,
+        use_double_precision=use_double_precision,
+    )
+    per_crop, entropy, agree = [], [], []
+    for i, crop in enumerate(crops_for_assign):
+        crop_scores = scores[crop]
+        if per_crop:  # one Sinkhorn loop after the other (parallel.after)
+            crop_scores = parallel.after(crop_scores, per_crop[-1])
+        queued = None if queue_scores is None else queue_scores[i].astype(scores.dtype)
+        codes = _codes(crop_scores, queued, use_queue, sinkhorn)
+        others = jnp.array([v for v in range(num_crops) if v != crop])
+        cross_entropy = -jnp.sum(codes.astype(dtype)[None] * log_prob[others], axis=-1)
+        per_crop.append(jnp.mean(cross_entropy, axis=0))
+        entropy.append(-jnp.sum(jnp.where(codes > 0, codes * jnp.log(codes), 0.0), axis=-1))
+        target = jnp.argmax(codes, axis=-1)
+        agree.append(jnp.argmax(scores[others], axis=-1) == target[None])
+    metrics = {
+        "code_entropy": jnp.mean(jnp.stack(entropy)),
+        "swapped_acc": jnp.mean(jnp.stack(agree).astype(jnp.float32)),
+    }
+    return jnp.stack(per_crop), metrics
+
+
+def _check_inputs(shape, crops_for_assign: tuple[int, ...], queue_scores) -> None:
+    """swav_crop_losses's argument checks, each error saying what the shapes must be."""
+    num_crops, _, num_prototypes = shape
     if num_crops < 2:
         raise ValueError(
             f"swav_loss got the scores of {num_crops} crop(s); swapped prediction needs at "
@@ -196,41 +230,17 @@ def swav_crop_losses(
             f"num_prototypes={num_prototypes}): one queue per assignment crop."
         )
 
-    dtype = _precision(use_double_precision)
-    # VISSL computes the log-softmax in float64 too when use_double_precision is set.
-    log_prob = jax.nn.log_softmax(scores.astype(dtype) / jnp.asarray(temperature, dtype), -1)
-    per_crop, entropy, agree = [], [], []
-    for i, crop in enumerate(crops_for_assign):
-        crop_scores, mask = scores[crop], None
-        if per_crop:  # one Sinkhorn loop after the other (parallel.after)
-            crop_scores = parallel.after(crop_scores, per_crop[-1])
-        if queue_scores is not None:
-            queued = queue_scores[i].astype(scores.dtype)
-            crop_scores = jnp.concatenate([crop_scores, queued])
-            mask = jnp.concatenate(
-                [jnp.ones((batch,), bool), jnp.broadcast_to(jnp.asarray(use_queue), (len(queued),))]
-            )
-        codes = sinkhorn_knopp(
-            crop_scores,
-            epsilon,
-            num_iters,
-            axis_name,
-            sample_mask=mask,
-            hard_assignment=hard_assignment,
-            use_double_precision=use_double_precision,
-        )[:batch]
-        codes = jax.lax.stop_gradient(codes)
-        others = jnp.array([v for v in range(num_crops) if v != crop])
-        cross_entropy = -jnp.sum(codes.astype(dtype)[None] * log_prob[others], axis=-1)
-        per_crop.append(jnp.mean(cross_entropy, axis=0))
-        entropy.append(-jnp.sum(jnp.where(codes > 0, codes * jnp.log(codes), 0.0), axis=-1))
-        target = jnp.argmax(codes, axis=-1)
-        agree.append(jnp.argmax(scores[others], axis=-1) == target[None])
-    metrics = {
-        "code_entropy": jnp.mean(jnp.stack(entropy)),
-        "swapped_acc": jnp.mean(jnp.stack(agree).astype(jnp.float32)),
-    }
-    return jnp.stack(per_crop), metrics
+
+def _codes(crop_scores: jax.Array, queued, use_queue, sinkhorn: dict) -> jax.Array:
+    """The batch's codes of one assignment crop (no gradient): Sinkhorn over the batch's scores
+    and, where there is a queue, its rows too (masked out until ``use_queue``)."""
+    batch, mask = len(crop_scores), None
+    if queued is not None:
+        crop_scores = jnp.concatenate([crop_scores, queued])
+        in_use = jnp.broadcast_to(jnp.asarray(use_queue), (len(queued),))
+        mask = jnp.concatenate([jnp.ones((batch,), bool), in_use])
+    codes = sinkhorn_knopp(crop_scores, sample_mask=mask, **sinkhorn)[:batch]
+    return jax.lax.stop_gradient(codes)
 
 
 def _sample_logsumexp(log_q: jax.Array, valid: jax.Array) -> jax.Array:
