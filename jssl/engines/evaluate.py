@@ -1,24 +1,17 @@
 """The evaluate engine: every evaluator of ``config.evals`` on one checkpoint, or on each
 checkpoint of a training workdir as it appears (VISSL's benchmark-suite scheduler).
 
-``init.checkpoint`` is a jssl workdir, a ``checkpoints/<step>`` dir or imported weights (a
-.torch/.pth/.safetensors file). A workdir is read at its newest complete checkpoint, named by
-its step dir so that every record carries the step; with ``evaluate.follow=True`` every
-checkpoint of it is evaluated in order as the training saves it, until the training has
-finished (it writes ``train_finished.json``); a training that is gone, or silent for
-``evaluate.idle_minutes``, stops the follower with an error (jssl.engines.evaluate_follow).
-Evaluators that read extracted features share one extraction per checkpoint and dataset
-(``<workdir>/evals/<step>/features_<n>``, removed afterwards unless
-``evaluate.keep_features``). SIGTERM or a first Ctrl-C stops it between two evaluators (or
-inside one that stops on it: linear_eval, extract_features), exit status 75; a rerun runs
-only what is not done.
-
-``workdir/results.json``: ``{"evaluator": "evaluate", "timeline": [{"checkpoint",
-"checkpoint_step", "evals": {name: {"protocol": {...}, "results": {...}}}}, ...]}``, one
-timeline row per checkpoint, and each evaluator's own ``results.json`` under
-``workdir/evals/<step>/<name>/``. A rerun of the same command continues: evaluators whose
-results are there are not run again. The train engine runs the same evaluators on its own
-checkpoints (``at_checkpoint``) when its config has ``evals``.
+``init.checkpoint`` is a jssl workdir (read at its newest complete checkpoint, by its step dir,
+so that every record carries the step), a ``checkpoints/<step>`` dir or a weights file. With
+``evaluate.follow=True`` each checkpoint is evaluated as the training saves it, until the
+training writes ``train_finished.json``; one gone or silent ends the follower with an error
+(jssl.engines.evaluate_follow). Evaluators that read extracted features share one extraction
+per checkpoint and dataset (``evals/step_<n>/features_<k>``, removed unless
+``evaluate.keep_features``). ``results.json`` holds one timeline row per checkpoint, each
+evaluator's own results are under ``evals/step_<n>/<name>/``; a rerun runs only what is not
+done, and SIGTERM stops it between evaluators with exit status 75. The train engine runs the
+same evaluators on its own checkpoints (``after_epoch``). More: docs/evaluation.md,
+"Evaluators as config".
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """The export engine: a trained trunk written as a PyTorch state dict, so a backbone trained
 with jssl can go to detection or segmentation code in PyTorch.
 
-The trunk is read as the extraction engine reads it (``evaluation.frozen.load_frozen_model``:
-``init.checkpoint`` a jssl workdir, one ``checkpoints/<step>`` dir or a PyTorch /
-safetensors file; the ``model.*`` fields from the source workdir's config.json) and converted
-by ``jssl.models.torch_export`` (torchvision's names for a ResNet, timm's for a ViT, DINOv2's
-for a ViT with LayerScale, registers or SwiGLU, with the trained mask token of an iBOT or
-DINOv2 checkpoint, which the evaluated trunk is built without). A
-workdir's newest complete checkpoint is exported, and its step recorded; a damaged one stops
-the export (pass an older ``checkpoints/<step>``) rather than silently exporting another.
-
-Output in the workdir: ``trunk.safetensors`` (written without torch), ``trunk.pth``
-(``torch.save`` of the same dict, where torch imports and ``export.pth`` is set) and
-``export.json`` (architecture, the PyTorch constructor that builds the matching model, notes,
-the source and its step). ``trunk.safetensors`` is imported back through
-``weights.read_torch`` before the other files are written, and must give the checkpoint's
-arrays bit for bit.
+The trunk is read as the evaluation engines read it (``jssl.evaluation.frozen``): a workdir at
+its newest complete checkpoint, whose step is recorded, one ``checkpoints/<step>`` dir or a
+PyTorch / safetensors file; a damaged newest checkpoint stops the export (pass an older
+``checkpoints/<step>``) rather than silently exporting another. ``jssl.models.torch_export``
+names it as torchvision does (ResNet), timm (ViT) or DINOv2 (a ViT with LayerScale, registers
+or SwiGLU, with the trained mask token of an iBOT or DINOv2 checkpoint). Writes
+``trunk.safetensors`` (without torch), ``trunk.pth`` (where torch imports and ``export.pth``
+is set) and ``export.json`` (the architecture and the PyTorch constructor that builds it);
+``trunk.safetensors`` is imported back first and must give the checkpoint's arrays bit for
+bit. More: docs/evaluation.md, "Export to PyTorch".
 """
 
 from __future__ import annotations

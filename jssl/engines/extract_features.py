@@ -1,27 +1,16 @@
 """The extract_features engine: a trained model's features of whole dataset splits, on disk.
 
-The JAX counterpart of VISSL's ``vissl/engines/extract_features.py`` and
-``SelfSupervisionTrainer.extract`` (``vissl/trainer/trainer_main.py``), which write
-``<layer>_{features,targets,inds}.npy`` per split (``vissl/utils/extract_features_utils.py``).
-The online model (trunk + head) is built from the config, its weights loaded with
-``checkpoints.weights.load_variables`` and run in eval mode, one jit over the mesh with the pooling
-(``jssl.evaluation.pooling``) fused in. Every example is written exactly once, at row ``index``, so
-the files are sorted by dataset index whatever the device or process count. Process 0
-writes memory-mapped ``.npy`` files allocated at the split's size and filled batch by
-batch, so a split larger than host memory is fine; files are written under a temporary
-name and renamed when complete, so an interrupted run leaves no half-written features.
-
-Output: ``workdir/features/<name>/<layer>_{features,targets,inds}.npy`` (float32
-features, int64 targets and indices; multi-label data such as VOC07 has VISSL's (n, C) targets
-of 1 / 0 / -1, jssl.data.transfer, which jssl.evaluation.svm reads) and
-``<name>/split.json`` (which examples of which split the directory holds), plus
-``workdir/features/config.json`` and ``source.json`` (the checkpoint dir read and its training
-step, so that every figure computed from the features can name the step). ``<name>`` is the
-split's name for a whole split and ``<split>@<start>-<end>`` for a TFDS slice, in examples of
-the whole split ("test[10:20]" -> ``features/test@10-20``; see ``split_dir_name``), so
-extracting two slices of one split never writes one directory. ``inds`` are indices in the
-whole split (test[10:20] stores 10..19), so the rows of a slice can be matched with the full
-split's.
+VISSL's ``vissl/engines/extract_features.py`` and ``SelfSupervisionTrainer.extract``
+(``vissl/trainer/trainer_main.py``), with its files (``vissl/utils/extract_features_utils.py``):
+``workdir/features/<split>/<layer>_{features,targets,inds}.npy`` (float32, int64, int64) and
+``split.json``, plus ``features/config.json`` and ``source.json`` (the checkpoint read and its
+step, so every figure computed from the features can name it). The trunk (with its head only
+when a layer asks for ``head``: jssl.evaluation.frozen) runs in eval mode, one jit over the
+mesh with the pooling fused in. Every example is written exactly once, sorted by dataset
+index, on any number of devices or processes; the files are memory-mapped (a split larger than
+host memory is fine) and renamed when complete, so an interrupted run leaves no half-written
+features. A TFDS slice gets a directory of its own (``feature_store.split_dir_name``). More:
+docs/evaluation.md, "Feature extraction".
 """
 
 from __future__ import annotations

@@ -1,47 +1,17 @@
 """The linear_eval engine: VISSL's linear image-classification benchmark
 (``configs/config/benchmark/linear_image_classification/imagenet1k/
-eval_resnet_8gpu_transfer_in1k_linear.yaml``), over a grid of learning rates and weight
-decays chosen on held-out data, with ImageNet's robustness test sets.
+eval_resnet_8gpu_transfer_in1k_linear.yaml``) on a frozen trunk, over a grid of learning rates
+and weight decays chosen on data held out of the train split, never on the test split (DINOv2
+chooses on the split it reports), with ImageNet's robustness test sets.
 
-The trunk in ``init.checkpoint`` is frozen in eval mode (running BN statistics, no gradients);
-its taps in ``config.linear.layers`` are pooled (``config.linear.pool``, VISSL's
-``LINEAR_EVAL_FEAT_POOL_OPS_MAP``) and each feeds its own BN -> linear heads
-(evaluation.linear), one per point of ``linear.lrs`` x ``linear.weight_decays``
-(evaluation.linear_grid), all trained in one pass over the data with one trunk forward per
-batch. Then, per layer:
-
-- the head of best top-1 on the held-out part of the train split (``linear.val_fraction``,
-  engines.linear_eval_inputs) is chosen; the test split never chooses;
-- the chosen head is scored on the test split (and every point, labelled as not selected on,
-  with ``linear.report_all``) and on each ``linear.extra_test_sets`` entry (ImageNet-V2, -A,
-  -R, -Sketch from TFDS; -A and -R over their 200 classes, evaluation.robustness_sets).
-
-``workdir/results.json`` holds each figure next to its protocol (engines.linear_eval_record):
-data and splits, layer and pooling, every head setting, the checkpoint and the step the trunk
-came from, and how the figure was chosen. A one-point grid with ``linear.val_fraction=0``
-(the "test" preset) is VISSL's protocol as it was: one head per layer, nothing held out.
-
-VISSL trains one setting per run and reports the test split; DINOv2 trains a grid of
-learning rates and reports the best point on the split it also reports (its ImageNet
-``val_dataset``). Here the choice is made on data held out of the train split, so the
-reported test figure was not chosen on the test split; the heads train on the rest of the
-train split (90% by default), not all of it.
-
-With ``config.linear.cached_features`` (an ``extract_features`` workdir's ``features/``
-folder) the heads train on the already pooled features read from disk, with no trunk forward.
-Those features are of the evaluation view (resize + centre crop), so this fast mode trains
-without VISSL's random crops and flips and scores differently (the demo's figures of both
-modes are in docs/evaluation.md).
-
-The loop in ``run`` is the train engine's in miniature, flat and with clu's periodic actions:
-one jitted, state-donating step over the mesh, the mean metrics every ``log_every_steps`` (and
-of the steps after an epoch's last full window), a checkpoint of the (small) head state at the
-end of every epoch and every ``checkpoint.every_steps``, an evaluation phase every
-``test_every_epochs`` before the last (of the held-out part, or of the test split when
-nothing is held out), and a restart with the same workdir resumes where it left off.
-SIGTERM or a first Ctrl-C (jssl.training.preemption) stops it after the step in progress
-with the heads saved (or between two batches of the final evaluation, whose heads are saved
-already) and exit status 75; the rerun resumes to the same heads and figures.
+Each tap in ``linear.layers`` is pooled and feeds BN -> linear heads, one per grid point
+(evaluation.linear, evaluation.linear_grid), all trained in one pass with one trunk forward per
+batch; ``linear.cached_features`` trains them on extracted features instead (the evaluation
+view: no random crops or flips, so the figures differ). The loop is the train engine's in
+miniature: one jitted step over the mesh, clu periodic actions, the heads saved every epoch; a
+rerun resumes, and SIGTERM or a first Ctrl-C saves them and exits with 75. Inputs and the
+held-out cut: engines.linear_eval_inputs; results.json: engines.linear_eval_record. The
+protocol and what figure to quote: docs/evaluation.md, "Linear evaluation".
 """
 
 from __future__ import annotations

@@ -3,17 +3,14 @@ cached features, and the batches of the train split, of its held-out part, of th
 and of the extra test sets; and the start-up checks of their labels against the heads'.
 
 The held-out part (``linear.val_fraction``) is the last ``round(val_fraction * n)`` examples
-of the train split (after ``data.train_subset``) in its stored order, the heads training on
-the rest. A contiguous slice is what every image pipeline can read without a pass over the
-whole split: it becomes two TFDS slices of the base split (``train[0:1153050]`` and
-``train[1153050:1281167]``), which the tf.data and numpy pipelines and the evaluation
-pipeline read as any other split, and for cached features two ranges of rows (sorted by
-dataset index, so the same examples). TFDS writes a prepared split's examples in an order
-shuffled by their keys and the demo data's labels cycle through the classes, so the tail is a
-sample of every class. Image folders (listed class by class), TFDS builders that keep their
-order (``disable_shuffling``; the demo's, whose labels cycle, excepted) and TFDS data without
-split metadata cannot be cut this way and are refused with a held-out part. The cut depends on
-nothing random: the same examples are held out in every run, in both modes.
+of the train split (after ``data.train_subset``) in its stored order: a contiguous slice, read
+by every pipeline as two TFDS slices of the base split (for cached features, two ranges of
+rows) without a pass over the split. TFDS stores a prepared split shuffled by key, so the
+tail samples every class; image folders (class by class), TFDS builders that keep their order
+(``disable_shuffling``, the demo's excepted) and TFDS data without split sizes are refused with
+a held-out part. The cut depends on nothing random: every run and both modes hold out the same
+examples. ``linear.val_split`` names a split to choose on instead. More: docs/evaluation.md,
+"Linear evaluation".
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """The test_loss engine: a trained method's own loss on a held-out split, as an evaluator.
 
-It is VISSL's test phase (the training loss computed on ``DATA.TEST`` in eval mode, reported
-per epoch next to the train loss) run on any checkpoint of a jssl workdir, from
-``config.evals`` inside training or in the evaluate engine, or alone
-(``--config=configs/test_loss.py``). The method, its heads, teacher, queue or centre and its
-data recipe are the trained run's (its ``config.json`` and its checkpoint: the whole state but
-the optimizer); the model's fields follow the evaluated workdir like every evaluation engine's.
-
-The figure is the train engine's test phase (``jssl.evaluation.monitor.test_phase``): one pass
-over ``test_loss.split``, every example once, the centre crop fed as every view (so the loss
-measures the encoders' agreement on clean images, not the augmentation invariance the
-training loss measures), batch norm on its running statistics, no state updated; averaged
-over the real examples. A supervised run's loss comes with its top-1 and top-5 accuracy.
-
-``workdir/results.json``: ``{"evaluator": "test_loss", "loss", "terms": {name: value},
-"metrics": {...}, "num_examples", "protocol": {...}}``, the protocol naming the method, the
-split, the checkpoint and the step it read.
+VISSL's test phase (the training loss on ``DATA.TEST`` in eval mode, reported per epoch) run on
+any checkpoint of a jssl workdir: from ``config.evals`` inside training or in the evaluate
+engine, or alone (``configs/test_loss.py``). The method, its heads, teacher, queue or centre
+and its data recipe are the trained run's (its ``config.json`` and its whole state but the
+optimizer), so a weights file, or a ``method.name`` other than the run's, is refused. The
+figure is the train engine's test phase (``jssl.evaluation.monitor.test_phase``): every
+example of ``test_loss.split`` once, the centre crop fed as every view, batch norm on its
+running statistics, nothing updated. It measures how well the encoders agree on clean images,
+not the augmentation invariance the training loss measures, so it compares checkpoints of one
+run, not methods. More: docs/evaluation.md, "Test loss".
 """
 
 from __future__ import annotations
