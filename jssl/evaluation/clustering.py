@@ -1,28 +1,16 @@
 """k-means on the devices over frozen features, scored against the labels (NMI, ARI and
 Hungarian-matched accuracy).
 
-Lloyd's k-means (as ``sklearn.cluster.KMeans`` runs it: k-means++ or random init, several
-restarts keeping the lowest inertia, ``max_iters`` iterations, stopping when the squared shift
-of the centroids is within ``tol`` times the mean per-dimension variance of the data, or when
-no assignment changes, and a final assignment pass so labels and inertia belong to the final
-centroids). The features are one global ``(n, d)`` array with its rows sharded over the mesh's
-``data`` axis (each process reads only its own rows, as ``jssl.evaluation.knn_sharded`` keeps its
-bank); each device assigns its rows in chunks and the per-cluster sums, counts and inertia are
-``psum``-ed (``jax.shard_map``), so nothing larger than ``(K, d)`` is replicated.
-
-Every random draw is keyed by the seed, the restart and the global row index: k-means++'s
-D^2 sampling and the random init are Gumbel-max draws with one key per row, so the initial
-centroids are the same on any number of devices; later iterations differ across device counts
-only in the summation order of the centroid sums.
-
-Scores (``cluster_scores``): NMI (``sklearn.metrics.normalized_mutual_info_score``, arithmetic
-normalisation), ARI (``adjusted_rand_score``) and the accuracy of the best one-to-one matching
-of clusters to classes (``scipy.optimize.linear_sum_assignment`` on the contingency table; with
-more clusters than classes the unmatched clusters count as errors), all in %.
-
-Deliberate differences from scikit-learn: k-means++ is the plain D^2 sampling of Arthur &
-Vassilvitskii (2007), without sklearn's greedy ``2 + log k`` local trials; an empty cluster
-keeps its previous centroid (sklearn moves it to the farthest points).
+Lloyd's k-means as ``sklearn.cluster.KMeans`` runs it (k-means++ or random init, restarts
+keeping the lowest inertia, its tolerance rule on the centroids' shift), with a final
+assignment pass so that labels and inertia belong to the final centroids. The features are one
+global array with rows sharded over the mesh's ``data`` axis; each device assigns its rows in
+chunks and the cluster sums are ``psum``-ed (``jax.shard_map``), so nothing larger than
+``(K, d)`` is replicated. Every draw is keyed by the seed, the restart and the global row
+(Gumbel-max), so the initial centroids are the same on any number of devices. Unlike
+scikit-learn: plain k-means++ D^2 sampling (Arthur & Vassilvitskii 2007) without its greedy
+local trials, and an empty cluster keeps its centroid. More: docs/evaluation.md, "k-means
+clustering".
 """
 
 from __future__ import annotations
@@ -305,7 +293,8 @@ def hungarian_accuracy(labels: np.ndarray, clusters: np.ndarray) -> float:
 
 
 def cluster_scores(labels: np.ndarray, clusters: np.ndarray) -> dict[str, Any]:
-    """NMI, ARI and Hungarian accuracy (%) of ``clusters`` against ``labels``."""
+    """NMI (scikit-learn's arithmetic normalisation), ARI and Hungarian accuracy (%) of
+    ``clusters`` against ``labels``."""
     from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
     return {

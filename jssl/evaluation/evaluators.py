@@ -1,25 +1,16 @@
-"""Evaluators as configuration: the registry of evaluator types and how one ``config.evals``
-entry becomes the config of the engine that computes it.
+"""Evaluators as configuration: the registry of evaluator types (``EVALUATORS``) and how one
+``config.evals`` entry becomes the config of the engine that computes it (big_vision's
+``config.evals`` is the model).
 
-An entry (big_vision's ``config.evals`` is the model) is a dict with ``type`` (a key of
-``EVALUATORS``), ``every_epochs`` (inside training: after every n-th epoch's checkpoint; 0:
-after the last one only) and the config sections it sets, e.g.::
-
-    c.evals.knn20 = {"type": "knn", "every_epochs": 1, "knn": {...every knn.* field...}}
-    c.evals.voc_svm = {"type": "svm", "data": {"name": "voc/2007", ...}, "svm": {...}}
-
-``configs/evaluate.py`` ``entry(type, preset)`` builds one with every field of its sections
-filled from the evaluator's own config file, so the command line can change any of them
-(``--config.evals.knn20.knn.k=50``) and ``config.json`` records them all. The entry's sections
-replace the running config's (the evaluator's own sections) or are laid over it (any other
-field: ``data``, ``optim``, ``num_epochs``; the run's ``model`` and ``seed`` unless set),
-so an evaluator can read another dataset than the one trained on (a transfer benchmark).
-
-The contract of an evaluator is its engine's (``jssl.engines``): ``validate(config)`` at
-start-up and ``run(config, workdir) -> dict`` writing ``results.json``. Evaluators that read
-extracted features (``features`` below) get them from one ``extract_features`` pass per
-checkpoint and dataset, shared by all of them. Adding an evaluator is its engine module, one
-line here and its ``entry`` in ``configs/evaluate.py``.
+An entry is a dict with ``type``, ``every_epochs`` (inside training: after every n-th epoch's
+checkpoint; 0: after the last only) and the config sections it sets, built whole by
+``configs/evaluate.py``'s ``entry(type, preset)``. Its sections replace the running config's
+(the evaluator's own) or are laid over it (any other field: ``data``, ``optim``,
+``num_epochs``; the run's ``model`` and ``seed`` unless set), so an evaluator can read another
+dataset than the one trained on. An evaluator is an engine (``validate(config)``,
+``run(config, workdir) -> dict``); those that read extracted features share one
+``extract_features`` pass per checkpoint and dataset. Adding one is its engine module, one line
+here and its ``entry``. More: docs/evaluation.md, "Evaluators as config".
 """
 
 from __future__ import annotations

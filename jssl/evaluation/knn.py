@@ -2,26 +2,15 @@
 
 The non-parametric evaluation of Wu et al. 2018, "Unsupervised Feature Learning via
 Non-Parametric Instance Discrimination" (Sec. 3.4), as VISSL runs it
-(``vissl/utils/knn_utils.py``) and DINO (``eval_knn.py``): features of the training split
-form the memory bank, both sides are L2-normalised, each test image takes its ``k`` most
-cosine-similar bank entries, and each neighbour votes for its class with weight
-``exp(similarity / temperature)``. The class with the largest summed vote wins.
-
-Presets:
-
-- VISSL (Wu et al.): ``k=200, temperature=0.1``, the defaults here.
-- DINO (Caron et al. 2021): ``k=20, temperature=0.07``.
-
-Two implementations of the same classifier:
-
-- ``knn_scores`` / ``knn_accuracy`` (here) take host (numpy, possibly memory-mapped) features,
-  as ``extract_features`` writes them. The bank is streamed in chunks and a running top-k per
-  query is merged across chunks, so an ImageNet-sized bank (1.28M x 2048) never materialises
-  an ``(n_test, n_train)`` similarity matrix, and never has to sit on the device whole.
-- ``jssl.evaluation.knn_sharded`` keeps a bank that is computed on the fly (the train engine's kNN
-  monitor, the kNN engine without a features directory) where it is produced, on the devices;
-  its ``search`` gives each query's sorted neighbours, which ``vote_accuracy`` (here) turns
-  into accuracies.
+(``vissl/utils/knn_utils.py``) and DINO (``eval_knn.py``): the train split's features are the
+memory bank, both sides L2-normalised, and each test image's ``k`` most cosine-similar bank
+entries vote for their classes with weight ``exp(similarity / temperature)``. VISSL's setting
+is ``k=200, temperature=0.1`` (the defaults here), DINO's ``temperature=0.07`` (20-NN in its
+paper). ``knn_scores`` / ``knn_accuracy`` take host (possibly memory-mapped) features and
+stream the bank in chunks with a running top-k, so an ImageNet-sized bank never makes an
+``(n_test, n_train)`` matrix; ``jssl.evaluation.knn_sharded`` searches a bank kept on the
+devices, and ``vote_accuracy`` here turns its neighbours into accuracies. More:
+docs/evaluation.md, "kNN".
 """
 
 from __future__ import annotations

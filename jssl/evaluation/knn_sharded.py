@@ -1,28 +1,14 @@
 """The sharded kNN memory bank: bank rows stay on the devices that computed them.
 
 For a bank computed on the fly (the train engine's kNN monitor, the kNN engine without a
-features directory), both of which run this one search: ``build_bank`` stacks the
-data-sharded features of evaluation batches (``jssl.evaluation.batches``) into a
-``ShardedBank`` (``BankBuilder``), rows split over the mesh's ``data`` axis, and ``search``
-finds each real query's ``k`` most cosine-similar rows (``sharded_top_k`` per query batch).
-Each device compares the (all-gathered) query batch with its own rows, keeps a local top-k, and
-the ``k`` candidates of every device are all-gathered and reduced to the global top-k
-(``jax.shard_map`` over ``data``). No process ever holds the whole bank. ``Neighbours.accuracy``
-turns the neighbours into the weighted-kNN accuracies of ``jssl.evaluation.knn`` (Wu et al.
-2018, ``vote_accuracy``), which also holds the classifier for host features; one search of the
-largest k serves every smaller k.
-
-Memory of the sharded bank. With ``N`` bank examples of dimension ``d``, ``P`` processes, ``D``
-devices in all, an eval batch of ``B`` rows and ``k`` neighbours, each process holds
-
-    4 * d * ceil(N / B) * B / P     bytes of bank features (float32, its devices' rows)
-  + 5 * ceil(N / B) * B / P         bytes of labels and validity flags
-  + 4 * d * R / P                   for the block being assembled (R = ``block_rows``)
-  + 8 * k * n_test                  bytes of the queries' top-k (similarity, label) on the host
-
-plus one ``(B, R / D)`` similarity block per device at a time. For ImageNet (N = 1.28M,
-d = 2048) on 8 hosts that is 1.3 GB of bank per host instead of 10.5 GB on every host; the
-bank lives in device memory on accelerators (host RAM only on CPU devices).
+features directory), which both run this one search: ``build_bank`` stacks the data-sharded
+features of evaluation batches into a ``ShardedBank``, and ``search`` finds each real query's
+``k`` most cosine-similar rows. Each device compares the all-gathered query batch with its own
+rows and keeps a local top-k; the ``k`` candidates of every device are all-gathered and reduced
+to the global top-k (``jax.shard_map`` over ``data``), so no process ever holds the whole bank.
+``Neighbours.accuracy`` turns them into the weighted-kNN accuracies of ``jssl.evaluation.knn``
+(Wu et al. 2018); one search of the largest k serves every smaller k. What each process holds
+(about ``4 d N / P`` bytes of bank on ``P`` processes): docs/evaluation.md, "kNN".
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Linear classifiers on frozen features: VISSL's linear image-classification benchmark.
 
-One head per evaluated layer and grid point (``linear_grid``: base learning rate x weight
-decay), all trained at once on the same batches (VISSL's ``FEATURE_EVAL_SETTINGS`` with
-several ``eval_mlp`` heads and the ``cross_entropy_multiple_output_single_target`` loss,
-which sums the heads' losses; the heads share no parameters, so the sum trains each one
-exactly as if it were alone).
-
-A head is VISSL's ``eval_mlp`` (``vissl/models/heads/linear_eval_mlp.py``): a BatchNorm over
-the channels of the pooled feature map (``nn.BatchNorm2d`` with its affine scale and bias,
-eps 1e-5, PyTorch momentum 0.1), flatten, then one ``nn.Linear`` with PyTorch's default
-initialisation (``vissl/models/heads/mlp.py`` keeps it). Flattened (N, D) inputs are
-normalised per feature, as VISSL does after unsqueezing them to (N, D, 1, 1).
-
-The step functions take a ``features_fn(trunk_variables, inputs) -> {layer: features}``: the
-frozen trunk's eval-mode forward plus pooling for images, or the identity for features
-cached on disk. The trunk variables are an argument the step never returns, and only the
-head parameters are differentiated and handed to the optimizer, so the trunk cannot change.
+One head per evaluated layer and grid point (``linear_grid``), all trained at once on the same
+batches, as VISSL's ``FEATURE_EVAL_SETTINGS`` with several ``eval_mlp`` heads and the
+``cross_entropy_multiple_output_single_target`` loss, which sums the heads' losses: they share
+no parameters, so the sum trains each one exactly as if it were alone. A head is VISSL's
+``eval_mlp`` (``vissl/models/heads/linear_eval_mlp.py``): BatchNorm over the channels of the
+pooled map (affine, eps 1e-5, PyTorch momentum 0.1), flatten, one ``nn.Linear`` with PyTorch's
+default initialisation; (N, D) inputs are normalised per feature, as VISSL does after
+unsqueezing them to (N, D, 1, 1). The steps take ``features_fn(trunk_variables, inputs)`` (the
+frozen trunk's eval-mode forward and pooling, or the identity for cached features); the trunk
+variables are never returned and only the heads are differentiated, so the trunk cannot
+change.
 """
 
 from __future__ import annotations

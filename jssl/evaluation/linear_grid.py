@@ -1,34 +1,16 @@
 """A grid of linear heads trained at once, and the choice of one head per layer.
 
 Every layer of ``linear.layers`` gets one head per point of ``linear.lrs`` x
-``linear.weight_decays``; all of them train on the same batches, one trunk forward per batch
-(``evaluation.linear.make_train_step``). The idea is DINOv2's linear evaluation
-(``dinov2/eval/linear.py``: ``setup_linear_classifiers`` makes one classifier per learning
-rate, ``scale_lr`` scales each by the global batch / 256, ``evaluate_linear_classifiers``
-keeps the best); the heads are VISSL's (``evaluation.linear``).
-
-How the grid runs: heads that share a weight decay form a group, their parameters stacked on
-a leading axis of learning rates, and ``jax.vmap`` runs the group's forward, backward and
-optimizer update over that axis. The optax chain is ``jssl.optim.build_optimizer``'s, built
-with a constant learning rate: each point's own schedule (``optim.build_schedule`` with the
-point's base rate) is evaluated at the step and passed in as an array, the same numbers the
-schedule-driven chain uses (its count is the step). Weight decay enters the optimizers in
-different ways (coupled for SGD and LARS, inside LARC's trust ratio, decoupled for AdamW),
-so each value gets a chain of its own. Every point starts from the same head, the one a
-single-point run initialises, so point (lr, wd) trains exactly the head a run with that lr
-and wd alone would (the tests check it).
-
-Selection (``select``): per layer, the point of best top-1 on the held-out part of the train
-split (``linear.val_fraction``) or on a validation split (``linear.val_split``), first of ties
-in grid order (learning rates outer, weight decays inner); points whose parameters are no
-longer finite (a learning rate too large) are never chosen. The test split selects nothing.
-
-Differences from DINOv2: DINOv2 picks the best classifier on the set whose accuracy it then
-reports (ImageNet's validation split, its ``val_dataset``); here the choice is made on data
-held out of the train split and the test split is only scored. DINOv2's grid is over
-learning rates only (SGD, momentum 0.9, no weight decay, cosine); here any ``config.optim``
-and an optional weight-decay axis. Rates are scaled by ``optim.base_lr_batch_size`` (256 in
-the presets, as DINOv2's rule), through ``optim.peak_learning_rate``.
+``linear.weight_decays``, all trained on the same batches with one trunk forward per batch: the
+heads of a weight decay are stacked and ``jax.vmap``-ped over the learning rates
+(``GridOptimizer``). Every point starts from the same head, so point (lr, wd) trains exactly
+the head a run with that lr and wd alone would. The idea is DINOv2's linear evaluation
+(``dinov2/eval/linear.py``: ``setup_linear_classifiers``, ``scale_lr``,
+``evaluate_linear_classifiers``), on VISSL's heads (``evaluation.linear``) with any
+``config.optim`` and an optional weight-decay axis. Unlike DINOv2, which keeps the best
+classifier on the split it reports, ``select`` chooses on data held out of the train split (or
+``linear.val_split``); the test split chooses nothing. More: docs/evaluation.md, "Linear
+evaluation".
 """
 
 from __future__ import annotations
@@ -178,7 +160,11 @@ class GridOptimizer:
     """The optax chains and learning-rate schedules of every grid point.
 
     ``init`` and ``update`` work on a group's stacked heads (leading axis: the grid's
-    learning rates), vmapped; ``learning_rates(step)`` is each rate at the step."""
+    learning rates), vmapped; ``learning_rates(step)`` is each rate at the step. The chain is
+    ``jssl.optim.build_optimizer``'s at a constant rate, fed each point's own schedule
+    (``optim.build_schedule``) at the step: the numbers the schedule-driven chain uses. Weight
+    decay enters the optimizers in different ways (coupled for SGD and LARS, inside LARC's
+    trust ratio, decoupled for AdamW), so each value gets a chain of its own."""
 
     def __init__(
         self,
@@ -283,7 +269,8 @@ def select(
     finite: Mapping[str, Sequence[bool]],
 ) -> dict[str, Point]:
     """Each layer's chosen point: the best held-out top-1 among finite points, first of
-    ties in grid order; with nothing held out, the one-point grid's point."""
+    ties in grid order (learning rates outer, weight decays inner); with nothing held out,
+    the one-point grid's point."""
     chosen = {}
     for layer, flags in finite.items():
         candidates = [p for p in grid.points if flags[p.index]]

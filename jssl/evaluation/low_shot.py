@@ -3,34 +3,15 @@
 samples of ``extra_scripts/create_low_shot_samples.py``; the recipes
 ``configs/config/benchmark/low_shot_transfer/{voc07,places205}/*_low_shot_svm.yaml``).
 
-For every k (VISSL: 1, 2, 4, 8, 16, 32, 64, 96 for VOC07) and every one of several
-independent samples (VISSL: 5), the train split is subsampled and one binary SVM per class
-(``jssl.evaluation.svm``: VISSL's LinearSVC, L2-normalised features) is trained on the sample:
-
-- multi-label targets (VOC07), as ``generate_voc07_low_shot_samples``: for each class on its
-  own, k positives (target 1) and (C - 1) * k negatives (target 0) are drawn without
-  replacement; the class's SVM trains on those rows only (difficult rows are never drawn);
-- single-label targets (Places205), as ``generate_places_low_shot_samples``: k examples of
-  every class; each class's SVM is one-vs-rest on those k * C examples.
-
-Each sample is scored on the whole test split (mAP as VISSL, and top-1 for single-label
-targets), and each k reports the mean, std (population, as numpy's and VISSL's), min and max
-over the samples. A sample is keyed by (seed, sample number, k) alone, so one config draws the
-same samples on any machine, whatever else ``low_shot.ks`` lists.
-
-Deliberate differences from VISSL. VISSL trains every cost of the grid on every sample and
-reports, for each k, the one cost whose mean test mAP is best, i.e. a cost chosen on the test
-split. Here the cost is chosen on each sample's own train examples by stratified
-``min(cross_val_folds, k)``-fold cross-validation: one cost for all classes, the best mean AP
-over the classes (``cost_selection="cross_validation"``, VISSL's one cost per k, chosen on
-train), or each class its own (``"cross_validation_per_class"``, the SVM benchmark's rule; with
-a few examples the folds often tie, and the first tied cost of the grid, in VISSL's grid the
-smallest, is taken); ``"fixed"`` uses ``low_shot.cost``. k = 1 (one positive per class) cannot
-be cross-validated and uses ``low_shot.cost``, which the results say. VISSL's per-cost table is
-still computed and recorded (``test_per_cost``), labelled as a test-split figure, for comparison
-with VISSL's numbers. VISSL draws with Python's unseeded ``random.sample``; here each draw comes
-from a numpy generator of the seed. VISSL skips a Places k larger than the smallest class; here
-it is refused before training (``check_ks``).
+For every k and each of several samples, the SVMs of ``jssl.evaluation.svm`` train on a sample
+of the train split (multi-label: per class, k positives and (C - 1) * k negatives, as
+``generate_voc07_low_shot_samples``; single-label: k examples of every class, as
+``generate_places_low_shot_samples``) and are scored on the whole test split; each k reports
+the mean, std, min and max over the samples. A sample is keyed by (seed, sample, k) alone.
+Deliberately unlike VISSL, which keeps the cost of best mean *test* mAP, the cost is chosen by
+cross-validation on each sample's own train examples (``cost_selection``; k = 1 uses
+``low_shot.cost``), and VISSL's per-cost test table is recorded beside it, labelled so. More
+(and the other differences): docs/evaluation.md, "Low-shot SVMs".
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """Representation-quality monitors run by the train engine: kNN accuracy (before the first
 step, in test phases and at the end, with the line comparing the last with the first), the
-online probe's test accuracy, per-example evaluation outputs and a 2-D picture of the
+online probe's test accuracy, per-example evaluation outputs and a PCA picture of the
 embeddings.
 
-Every pass here reads a split through ``evaluation.batches.eval_batches`` (the evaluation
-pipeline: centre crop, each example exactly once, the last batch padded with ``mask`` False
-rows), so results cover the whole split and do not depend on augmentation draws.
-
-The test phase is ONE pass over the test split: each batch goes through the eval step once,
-which gives the method's loss (the image fed as every view: the loss on identical
-centre-crop views), the per-example outputs and the kNN query features. The kNN search is the
-kNN engine's (``knn_sharded``): the bank (the train split) stays sharded over the devices and
-each query batch's top-k is reduced across devices right away, so no process holds the bank or
-all query features.
+Every pass reads a split through ``evaluation.batches.eval_batches`` (centre crop, each example
+exactly once, the last batch padded with ``mask`` False rows), so results cover the whole split
+and do not depend on augmentation draws. The test phase is one pass over the test split: each
+batch goes through the eval step once, for the method's loss (the centre crop fed as every
+view), the per-example outputs and the kNN queries, searched in the kNN engine's sharded bank
+(``knn_sharded``), so no process holds the bank or all query features. More:
+docs/evaluation.md, "During pre-training".
 """
 
 from __future__ import annotations

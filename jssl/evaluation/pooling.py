@@ -3,21 +3,14 @@
 VISSL's linear benchmarks average-pool each ResNet-50 stage to about 9k dims
 (``MODEL.FEATURE_EVAL_SETTINGS.LINEAR_EVAL_FEAT_POOL_OPS_MAP`` in
 ``configs/config/benchmark/linear_image_classification/imagenet1k/
-eval_resnet_8gpu_transfer_in1k_linear.yaml``): at 224 px, conv1 112x112x64 -> 12x12x64 =
-9216, res2 56x56x256 -> 6x6x256 = 9216, res3 28x28x512 -> 4x4x512 = 8192, res4 14x14x1024 ->
-3x3x1024 = 9216, res5 7x7x2048 -> 2x2x2048 = 8192; ``res5avg`` (our ``avgpool``) is kept
-as is. Here the same ops are jax functions on NHWC arrays, keeping the (n, h, w, c) shape
-(VISSL's SHOULD_FLATTEN_FEATS=False); flatten downstream if needed.
-
-Specs, for one layer (``get_pool``):
-  "none"            keep the tap as it is
-  "avg"             global average over height and width (vectors pass through)
-  "avg:k,s,p"       torch.nn.AvgPool2d(k, s, p): zero padding counted in the average
-                    (count_include_pad=True), output size floor((h + 2p - k) / s) + 1
-  "vissl_resnet50"  the table above, by layer name (layers not in it: "none")
-
-For several layers (``layer_pools``) a spec applies to every layer, or "layer=spec;..." sets
-each layer's own (unnamed layers: "none"), e.g. "res4=avg:8,3,0;res5=avg".
+eval_resnet_8gpu_transfer_in1k_linear.yaml``): at 224 px conv1 -> 12x12x64, res2 -> 6x6x256,
+res3 -> 4x4x512, res4 -> 3x3x1024, res5 -> 2x2x2048; ``res5avg`` (``avgpool``) as it is. Here
+they are jax functions on NHWC arrays that keep the (n, h, w, c) shape (VISSL's
+SHOULD_FLATTEN_FEATS=False). Specs (``get_pool``): "none"; "avg" (over height and width);
+"avg:k,s,p", ``torch.nn.AvgPool2d(k, s, p)`` with the zero padding counted in the average;
+"vissl_resnet50", the table above by layer name (other layers: "none"). ``layer_pools`` takes
+one spec for every layer, or "layer=spec;..." for each its own (unnamed layers: "none"), e.g.
+"res4=avg:8,3,0;res5=avg".
 """
 
 from __future__ import annotations

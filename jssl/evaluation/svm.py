@@ -1,33 +1,17 @@
 """Linear SVMs on frozen features: VISSL's SVM benchmark (``tools/train_svm.py``,
 ``vissl/utils/svm_utils/svm_trainer.py``, ``evaluate.py``; the VOC07 recipe
 ``configs/config/benchmark/linear_image_classification/voc07/eval_resnet_8gpu_transfer_voc07_svm
-.yaml``). The features they read, shared with the low-shot and clustering evaluators:
-``jssl.evaluation.split_features``.
+.yaml``), and the classifiers of the low-shot benchmark. The features they read, shared with
+the clustering evaluator: ``jssl.evaluation.split_features``.
 
-The protocol, as VISSL runs it:
-
-- features flattened and L2-normalised in float64 as ``x / (||x|| + 1e-5)``;
-- one binary ``sklearn.svm.LinearSVC`` per class (one-vs-rest, labels +1 / -1) with
-  ``class_weight={+1: 2, -1: 1}``, squared hinge, L2 penalty, dual, tol 1e-4, 2000 iterations;
-- for each class, each cost of the grid is scored by ``cross_val_score(cv=3,
-  scoring="average_precision")`` on the train split (sklearn's stratified 3-fold split, no
-  shuffling), and the cost of the best mean fold AP is the class's cost (first of ties);
-- the test figure is the average precision of each class's decision function, in VISSL's
-  ``get_precision_recall`` form: the area under the interpolated precision envelope over every
-  recall step (VOC 2010+ "all points", not VOC07's 11-point AP), averaged over classes.
-
-Targets are a split's class ids ``(n,)`` or VISSL's multi-label matrix ``(n, C)`` with 1
-(present), 0 (absent) and -1 (VOC's "difficult": only difficult objects of the class). As
-VISSL does, a -1 trains as a negative and is ignored in the test AP. Single-label targets also
-get top-1: the arg-max over the classes' decision functions.
-
-Deliberate differences from VISSL: ``LinearSVC``'s ``random_state`` is the config seed (VISSL
-leaves it unset, so its dual coordinate descent visits rows in a different order on every
-run); only the chosen cost is refit on the whole train split (VISSL fits and pickles every
-cost); classes run in worker processes (``workers``), not threads, because liblinear's random
-generator is one global state that threads would share; the cost grid is an explicit list
-(VISSL's ``base ** power_range`` addition is not read); top-1 for single-label targets is added.
-A class with no positive test example has no AP: it is left out of the mean and listed.
+As VISSL runs it: features L2-normalised in float64 (``x / (||x|| + 1e-5)``); one binary
+``sklearn.svm.LinearSVC`` per class (one-vs-rest, ``class_weight={+1: 2, -1: 1}``), its cost
+the grid's best mean AP of ``cross_val_score`` on the train split; each class's test AP in
+VISSL's ``get_precision_recall`` form (VOC 2010+ "all points", not VOC07's 11-point AP).
+Multi-label targets are VISSL's (n, C) matrix of 1 / 0 / -1 ("difficult"): -1 trains as a
+negative and is left out of the test AP. Single-label targets also get top-1. The deliberate
+differences from VISSL (a seeded solver, worker processes, only the chosen cost refit):
+docs/evaluation.md, "Linear SVMs".
 """
 
 from __future__ import annotations
