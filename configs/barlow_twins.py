@@ -19,10 +19,11 @@ from configs import base, recipes
 SCALE_LOSS = 0.024  # LOSS.barlow_twins_loss.scale_loss
 LAMBDA = 0.0051  # LOSS.barlow_twins_loss.lambda_
 
+PRESETS = ("", "imagenet", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
-    c.method.name = "barlow_twins"
+    c = base.get_method_config("barlow_twins", preset, PRESETS)
     # VISSL's SyncNormalizeFunction standardises both copies together (eps 1e-5); False: one
     # set of statistics per view, as the paper's code (BatchNorm1d(affine=False) per view).
     c.method.normalize_jointly = True
@@ -43,9 +44,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # 128 (scale 0.08-1, torchvision's default), flip 0.5, ImgPilColorDistortion strength 0.5
     # (jitter p 0.8, grayscale p 0.2), Gaussian blur p [1.0, 0.1] radius 0.1-2.0, solarize
     # p [0.0, 0.2]: per-copy probabilities, so two crop groups of one crop each.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 2048
-    c.data.image_size = 128
+    recipes.imagenet_pretraining(c, batch_size=2048, image_size=128)
     recipes.byol_views(c)
 
     # OPTIMIZER sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8), weight_decay
@@ -55,42 +54,23 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # 0.01 of the run (10 epochs), then cosine 1.6 -> 0.016 (end_value 0.002 / 0.2 of the
     # peak), interval_scaling [rescaled, fixed]; update_interval step.
     c.num_epochs = 1000
-    o = c.optim
-    o.name = "larc"
-    o.larc_clip = False
-    o.lars_eta = 0.001
-    o.larc_eps = 1e-8
-    o.trust_ratio_exclude = "none"  # apex LARC adapts every parameter
-    o.weight_decay = 1.5e-6
-    o.momentum = 0.9
-    o.nesterov = False
-    o.regularize_bn = False
-    o.regularize_bias = False
-    o.base_lr = 0.2
-    o.base_lr_batch_size = 256
-    o.lr_scaling = "linear"
-    o.schedule = "cosine"
-    o.warmup_epochs = 10
-    o.warmup_start_nodes = 4  # DISTRIBUTED.NUM_NODES
-    o.interval_scaling = "fixed"
-    o.final_lr_fraction = 0.01
-    o.update_interval = "step"
+    recipes.vissl_larc(
+        c,
+        base_lr=0.2,
+        weight_decay=1.5e-6,
+        warmup_epochs=10,
+        final_fraction=0.01,
+        nodes=4,  # DISTRIBUTED.NUM_NODES
+        regularize_bn_and_bias=False,
+    )
     c.checkpoint.every_steps = 3125  # CHECKPOINT_FREQUENCY 5 epochs at 625 steps/epoch
     c.log_every_steps = 10  # LOG_FREQUENCY
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset in ("demo", "test"):
+    if preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
             recipes.tiny(c)
             c.model.head_dims = (64, 32, 32)
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/barlow_twins.py: use '', 'imagenet', "
-            "'demo' or 'test'."
-        )
     return c
 
 

@@ -190,6 +190,26 @@ def get_base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def get_method_config(
+    method: str, preset: str, presets: tuple[str, ...]
+) -> ml_collections.ConfigDict:
+    """``get_base_config()`` for ``configs/<method>.py``'s ``preset`` (one of ``presets``, else
+    refused) with ``method.name`` set: each method's config file is named after it."""
+    check_preset(preset, presets, f"configs/{method}.py")
+    c = get_base_config()
+    c.method.name = method
+    return c
+
+
+def check_preset(preset: str, presets: tuple[str, ...], file: str) -> None:
+    """Refuses a preset that ``file``'s ``get_config`` does not have, naming those it has."""
+    if preset not in presets:
+        raise ValueError(
+            f"Unknown preset {preset!r} of {file}: use one of "
+            f"{', '.join(repr(p) for p in presets)}."
+        )
+
+
 def loss_terms(c: ml_collections.ConfigDict, **weights: float | None) -> None:
     """Declares the method's loss terms with their weights, each with a constant ramp that the
     command line can turn into one, e.g. ``--config.loss.ramps.variance.kind=linear

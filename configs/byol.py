@@ -17,11 +17,12 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = ("", "imagenet", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
+    c = base.get_method_config("byol", preset, PRESETS)
     m = c.method
-    m.name = "byol"
     # The target's EMA momentum, cosine from base to final over the run (Sec. 3.2: tau_base
     # 0.996; DeepMind's base_target_ema for 1000 epochs).
     m.base_momentum = 0.996
@@ -46,9 +47,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # solarisation p (0.0, 0.2); RandomResizedCrop 224 scale 0.08-1, flip 0.5, colour jitter
     # p 0.8 with strength 0.5 (brightness/contrast/saturation 0.4, hue 0.1; the paper's
     # saturation is 0.2), grayscale p 0.2, blur sigma 0.1-2.0. Batch 4096 (Sec. 3.3).
-    recipes.imagenet_data(c)
-    c.data.batch_size = 4096
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=4096)
     recipes.byol_views(c)
 
     # LARS (trust coefficient 1e-3, momentum 0.9), biases and BN parameters excluded from both
@@ -56,39 +55,15 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # weight decay 1.5e-6, the 1000-epoch values (DeepMind's config for 300 epochs: 0.3 and
     # 1e-6); linear warmup from 0 over 10 epochs, then cosine to 0.
     c.num_epochs = 300
-    o = c.optim
-    o.name = "lars"
-    o.lars_eta = 0.001
-    o.trust_ratio_exclude = "bias_and_norm"
-    o.momentum = 0.9
-    o.nesterov = False
-    o.weight_decay = 1.5e-6
-    o.regularize_bn = False
-    o.regularize_bias = False
-    o.base_lr = 0.2
-    o.base_lr_batch_size = 256
-    o.lr_scaling = "linear"
-    o.schedule = "cosine"
-    o.warmup_epochs = 10
-    o.warmup_start_lr = 0.0
-    o.interval_scaling = "rescaled"
-    o.final_lr_fraction = 0.0
-    o.update_interval = "step"
+    recipes.lars(c, base_lr=0.2, weight_decay=1.5e-6, warmup_epochs=10)
     c.checkpoint.every_steps = 3130  # every 10 epochs at 313 steps/epoch
     c.log_every_steps = 200
-    c.probe.num_classes = 1000  # the paper's online linear probe (App. C), monitoring only
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset in ("demo", "test"):
+    if preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
             recipes.tiny(c)
             c.method.predictor_dims = (16, 32, 16)
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/byol.py: use '', 'imagenet', 'demo' or 'test'."
-        )
     return c
 
 

@@ -25,8 +25,7 @@ PRESETS = ("", "imagenet", "demo", "test")
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r} of configs/cluster.py: use one of {PRESETS}.")
+    base.check_preset(preset, PRESETS, "configs/cluster.py")
     c = base.get_base_config()
     recipes.evaluation(c, "cluster", preset)
     c.cluster = ml_collections.ConfigDict()

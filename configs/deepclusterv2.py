@@ -20,11 +20,12 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = ("", "imagenet", "multicrop", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
+    c = base.get_method_config("deepclusterv2", preset, PRESETS)
     m = c.method
-    m.name = "deepclusterv2"
     # LOSS.deepclusterv2_loss: temperature 0.1, num_clusters [3000, 3000, 3000], kmeans_iters
     # 10, memory_params.crops_for_mb [0, 1], embedding_dim 128 (the head's last width).
     m.temperature = 0.1
@@ -49,9 +50,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     # BATCHSIZE_PER_REPLICA 64 x 64 GPUs; ImgPilToMultiCrop 2 x 224, crop_scales [[0.08, 1]];
     # flip 0.5; ImgPilColorDistortion strength 1.0; ImgPilGaussianBlur p 0.5, radius 0.1-2.0.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 4096
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=4096)
     a = c.data.augment
     a.num_crops = (2,)
     a.crop_sizes = (224,)
@@ -66,11 +65,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.num_epochs = 100
     recipes.vissl_8node_larc(c, warmup_epochs=10, final_fraction=0.0)
     c.log_every_steps = 10  # LOG_FREQUENCY
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset == "multicrop":
+    if preset == "multicrop":
         _multicrop(c)
     elif preset in ("demo", "test"):
         _demo(c)
@@ -84,11 +80,6 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             c.method.kmeans_iters = 3
             c.method.memory_fill_epochs = 0  # the first steps train (the contract tests)
             c.method.num_examples = 64  # recipes.tiny's train_subset, without reading the data
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/deepclusterv2.py: use '', 'imagenet', "
-            "'multicrop', 'demo' or 'test'."
-        )
     return c
 
 
@@ -127,12 +118,5 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.num_epochs = 16  # 256 steps: 1 memory pass + 15 trained epochs
     c.method.num_clusters = (30, 30, 30)
     c.method.temperature = 0.5
-    o = c.optim
-    o.name = "sgd"  # LARC's per-layer steps are made for lr 4.8 at batch 4096 (see SimCLR's demo)
-    o.base_lr = 0.3  # 0.15 at batch 128
-    o.warmup_epochs = 2  # the memory pass, then one trained epoch
-    o.warmup_start_nodes = 0
-    o.warmup_start_lr = 0.0
-    o.interval_scaling = "rescaled"
-    o.final_lr_fraction = 0.0
-    o.weight_decay = 5e-4
+    # 0.15 at batch 128; the warmup: the memory pass, then one trained epoch.
+    recipes.demo_sgd(c, base_lr=0.3, warmup_epochs=2)

@@ -23,11 +23,22 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = (
+    "",
+    "imagenet",
+    "vissl",
+    "vit_small",
+    "vit_large",
+    "demo",
+    "demo_vit",
+    "test",
+    "test_vit",
+)
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
+    c = base.get_method_config("dino", preset, PRESETS)
     m = c.method
-    m.name = "dino"
     # DINOHead: out_dim 65536, hidden 2048, bottleneck 256, 3 layers, use_bn_in_head False,
     # norm_last_layer True (main_dino.py defaults, kept by the README's ResNet-50 command).
     m.out_dim = 65536
@@ -60,9 +71,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     # batch_size_per_gpu 64 x 8 GPUs. DataAugmentationDINO: global crops at scale (0.14, 1)
     # (README command), local_crops_number 8 at 96 px.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 512
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=512)
     recipes.dino_views(c, num_local=8, local_size=96, split=0.14)
 
     # optimizer sgd, momentum 0.9; lr 0.03 per 256 images (0.06 at 512), linear warmup from 0
@@ -90,11 +99,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     o.grad_clip_per_parameter = 3.0
     c.checkpoint.every_steps = 2502  # every epoch (checkpoint.pth), 2502 steps at batch 512
     c.log_every_steps = 10
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset == "vissl":
+    if preset == "vissl":
         _vissl_resnet(c)
     elif preset == "vit_small":
         _vit_small(c)
@@ -103,23 +109,14 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         _vit_large(c)
     elif preset == "test_vit":
         _demo(c)
-        recipes.tiny(c)
         _vit_small(c)
-        c.data.batch_size = 16
+        recipes.tiny_vit(c)
+        # ``recipes.tiny_multicrop``'s sizes at the ViT recipe's scales.
         c.data.augment.num_crops = (1, 1, 2)
         c.data.augment.crop_sizes = (16, 16, 8)
         c.data.augment.solarize_prob = (0.0, 0.2, 0.0)
-        c.model.trunk = "vit_tiny"
-        c.model.vit_depth = 2  # seconds to compile; the published ViTs have 12 blocks
-        c.model.patch_size = 4
-        c.model.image_size = 16
         c.model.dtype = "float32"
-        m = c.method
-        m.out_dim, m.hidden_dim, m.bottleneck_dim = 32, 32, 16
-        m.freeze_last_layer_epochs = 0.5
-        m.warmup_teacher_temp_epochs = 1.0
-        c.num_epochs = 2
-        c.optim.warmup_epochs = 0
+        recipes.tiny_dino_head(c)
     elif preset == "demo_vit":
         _demo(c)
         _demo_vit(c)
@@ -131,22 +128,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             recipes.tiny(c)
             recipes.tiny_multicrop(c)
             c.model.head_dims = ()
-            m = c.method
-            m.out_dim = 32
-            m.hidden_dim = 32
-            m.bottleneck_dim = 16
+            recipes.tiny_dino_head(c)
             # No BN in the head: the 1 vs 4 device comparison (tests/step_parity.py) keeps BN
             # to the trunk, as the other methods' (BN over 4-row slices amplifies rounding).
-            m.use_bn_in_head = False
-            m.freeze_last_layer_epochs = 0.5  # 2 of the 4 steps of an epoch
-            m.warmup_teacher_temp = 0.04
-            m.teacher_temp = 0.07
-            m.warmup_teacher_temp_epochs = 1.0  # rises over the first 4 steps
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/dino.py: use '', 'imagenet', 'vissl', "
-            "'vit_small', 'vit_large', 'demo', 'demo_vit', 'test' or 'test_vit'."
-        )
+            c.method.use_bn_in_head = False
     return c
 
 
@@ -178,20 +163,8 @@ def _vit_small(c: ml_collections.ConfigDict) -> None:
     a.crop_sizes = (224, 224, 96)
     a.crop_scale = ((0.4, 1.0), (0.4, 1.0), (0.05, 0.4))
     c.num_epochs = 100
-    o = c.optim
-    o.name = "adamw"
-    o.betas = (0.9, 0.999)  # torch.optim.AdamW defaults
-    o.base_lr = 5e-4
-    o.base_lr_batch_size = 256
-    o.lr_scaling = "linear"
-    o.warmup_epochs = 10
-    o.final_lr_fraction = 1e-6 / (5e-4 * 1024 / 256)  # min_lr over the peak at batch 1024
-    o.weight_decay = 0.04
-    o.weight_decay_schedule = "cosine"
-    o.weight_decay_end = 0.4
-    o.regularize_bn = False
-    o.regularize_bias = False
-    o.grad_clip_per_parameter = 3.0
+    peak = 5e-4 * 1024 / 256  # the final rate is min_lr 1e-6
+    recipes.dino_vit_adamw(c, base_lr=5e-4, warmup_epochs=10, final_lr_fraction=1e-6 / peak)
     c.checkpoint.every_steps = 1251  # every epoch at batch 1024
 
 
@@ -274,25 +247,14 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.head_dims = ()
     c.model.sync_bn = True
     c.num_epochs = 4  # 3 drift back to a uniform teacher
-    a = c.data.augment
     # The two global crops; ``_demo_local_crops`` adds two 16 px ones to the ResNet demo.
-    a.num_crops = (1, 1)
-    a.crop_sizes = (32, 32)
-    # The demo's classes are shapes: a small crop must still hold part of the shape.
-    a.crop_scale = ((0.3, 1.0), (0.3, 1.0))
-    a.blur_prob = (0.0,)  # blur destroys 32 px shapes (as every demo)
-    a.solarize_prob = (0.0, 0.2)
+    recipes.dino_demo_crops(c)
+    recipes.dino_demo_head(c)  # teacher temperature 0.02: with ImageNet's 0.04 it went uniform
     m = c.method
-    m.out_dim = 256
-    m.hidden_dim = 256
-    m.bottleneck_dim = 64
     # BN in the head keeps the outputs of different images apart at the start; without it the
     # centred teacher was uniform within 60 steps.
     m.use_bn_in_head = True
-    m.teacher_temp = 0.02  # sharper than ImageNet's 0.04, with which the teacher went uniform
-    m.warmup_teacher_temp = 0.02
     m.teacher_momentum = 0.99  # 0.9 collapsed, 0.9995 (solo-learn's 1000 epochs) did not move
-    m.freeze_last_layer_epochs = 0.5
     recipes.demo_lars(c, base_lr=0.6, weight_decay=1e-6)
     o = c.optim
     o.warmup_epochs = 0.5
@@ -336,19 +298,5 @@ def _demo_vit(c: ml_collections.ConfigDict) -> None:
     # ``_demo``'s two global crops, no local ones.
     c.method.teacher_momentum = 0.996  # DINO's momentum_teacher: a slower drift than 0.99
     recipes.demo_vit_trunk(c, pos_embed_init="learned")
-    o = c.optim
-    o.name = "adamw"
-    o.betas = (0.9, 0.999)
-    o.base_lr = 1e-3  # per 256 images: twice main_dino.py's --lr 5e-4, which learned less
-    o.base_lr_batch_size = 256
-    o.lr_scaling = "linear"
-    o.schedule = "cosine"
-    o.warmup_epochs = 0.5
-    o.warmup_start_lr = 0.0
-    o.final_lr_fraction = 0.0
-    o.weight_decay = 0.04
-    o.weight_decay_schedule = "cosine"
-    o.weight_decay_end = 0.4
-    o.regularize_bn = False
-    o.regularize_bias = False
-    o.grad_clip_per_parameter = 3.0
+    # Per 256 images: twice main_dino.py's --lr 5e-4, which learned less.
+    recipes.dino_vit_adamw(c, base_lr=1e-3, warmup_epochs=0.5, final_lr_fraction=0.0)

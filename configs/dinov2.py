@@ -31,14 +31,8 @@ IMAGENET_TRAIN = 1_281_167  # images in ImageNet-1k's train split
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/dinov2.py: use one of "
-            f"{', '.join(repr(p) for p in PRESETS)}."
-        )
-    c = base.get_base_config()
+    c = base.get_method_config("dinov2", preset, PRESETS)
     m = c.method
-    m.name = "dinov2"
     # dino: head_n_prototypes 131072, head_bottleneck_dim 384 (vitl14.yaml), hidden 2048, 3
     # layers; ibot: separate_head true, head_n_prototypes 131072, bottleneck 256, hidden 2048,
     # 3 layers. DINOHead's weight_g is learned (no norm_last_layer); no BN.
@@ -84,11 +78,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.model.remat = "full"
     c.parallel.shard_params = True
 
-    # DataAugmentationDINO: global crops at scale (0.32, 1), 8 local crops at 98 px
-    # (vitl14.yaml).
-    recipes.imagenet_data(c)
-    c.data.batch_size = 3072  # batch_size_per_gpu 32 x 96 GPUs (README: 12 nodes)
-    c.data.image_size = 224
+    # batch_size_per_gpu 32 x 96 GPUs (README: 12 nodes). DataAugmentationDINO: global crops at
+    # scale (0.32, 1), 8 local crops at 98 px (vitl14.yaml).
+    recipes.imagenet_pretraining(c, batch_size=3072)
     recipes.dino_views(c, num_local=8, local_size=98, split=0.32)
 
     # AdamW (0.9, 0.999), base_lr 2e-4 per 1024 with sqrt scaling (scaling_rule
@@ -112,7 +104,6 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     o.layer_decay = 1.0
     o.param_groups = (("trunk/patch_embed", 0.2),)
     c.log_every_steps = 10
-    c.probe.num_classes = 1000
     _dinov2_epochs(c, epochs=500, warmup=80)
 
     if preset == "vitl16_short":
@@ -179,20 +170,11 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.ffn = "mlp"
     c.parallel.shard_params = False
     c.num_epochs = 4
-    a = c.data.augment
-    a.num_crops = (1, 1)
-    a.crop_sizes = (32, 32)
-    a.crop_scale = ((0.3, 1.0), (0.3, 1.0))
-    a.blur_prob = (0.0,)  # blur destroys 32 px shapes (as every demo)
-    a.solarize_prob = (0.0, 0.2)
+    recipes.dino_demo_crops(c)
+    recipes.dino_demo_head(c)
     m = c.method
-    m.out_dim = m.patch_out_dim = 256
-    m.hidden_dim = m.patch_hidden_dim = 256
-    m.bottleneck_dim = m.patch_bottleneck_dim = 64
-    m.warmup_teacher_temp = m.teacher_temp = 0.02
-    m.warmup_teacher_temp_epochs = 0.0
+    m.patch_out_dim, m.patch_hidden_dim, m.patch_bottleneck_dim = 256, 256, 64
     m.teacher_momentum = 0.996
-    m.freeze_last_layer_epochs = 0.5
     m.koleo_group_size = 64
     o = c.optim
     o.base_lr = 1e-3
@@ -215,12 +197,8 @@ def _test(c: ml_collections.ConfigDict) -> None:
     # same class token, and KoLeo's distances between them, differences of nearly equal
     # floats, change with the float rounding of any other batch layout (1 vs 4 devices).
     c.model.layerscale = 0.1
+    recipes.tiny_dino_head(c)
     m = c.method
-    m.out_dim = m.patch_out_dim = 32
-    m.hidden_dim = m.patch_hidden_dim = 32
-    m.bottleneck_dim = m.patch_bottleneck_dim = 16
-    m.warmup_teacher_temp, m.teacher_temp = 0.04, 0.07
-    m.warmup_teacher_temp_epochs = 1.0
-    m.freeze_last_layer_epochs = 0.5
+    m.patch_out_dim, m.patch_hidden_dim, m.patch_bottleneck_dim = 32, 32, 16
     m.koleo_group_size = 8
     c.optim.warmup_epochs = 0

@@ -93,8 +93,7 @@ def entry(
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r} of configs/evaluate.py: use one of {PRESETS}.")
+    base.check_preset(preset, PRESETS, "configs/evaluate.py")
     c = base.get_base_config()
     recipes.evaluation(c, "evaluate", "" if preset == "imagenet" else preset)
     if preset in ("", "imagenet"):

@@ -20,14 +20,8 @@ PRESETS = ("", "imagenet", "vit_small", "demo", "test")
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/ibot.py: use one of "
-            f"{', '.join(repr(p) for p in PRESETS)}."
-        )
-    c = base.get_base_config()
+    c = base.get_method_config("ibot", preset, PRESETS)
     m = c.method
-    m.name = "ibot"
     # iBOTHead: out_dim 8192 for [CLS], patch_out_dim 8192, hidden 2048, bottleneck 256, 3
     # layers, no norm in the head, GELU; the README's --shared_head true (one last layer for
     # [CLS] and patches; main_ibot.py's default is false), the teacher's shared too
@@ -77,34 +71,17 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     # DataAugmentationiBOT (DINO's): global crops at scale (0.25, 1) (README), 10 local crops
     # at 96 px.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 1024  # --batch_size_per_gpu 64 x 16 GPUs
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=1024)  # --batch_size_per_gpu 64 x 16 GPUs
     recipes.dino_views(c, num_local=10, local_size=96, split=0.25)
 
     # AdamW at 5e-4 per 256 (--lr, linear scaling), 10 warmup epochs, cosine to 1e-6; weight
     # decay cosine 0.04 -> 0.4, not on biases and norms (utils.get_params_groups); each
     # parameter's gradient clipped at 3.0 (utils.clip_gradients); 800 epochs.
     c.num_epochs = 800
-    o = c.optim
-    o.name = "adamw"
-    o.betas = (0.9, 0.999)
-    o.base_lr = 5e-4
-    o.base_lr_batch_size = 256
-    o.lr_scaling = "linear"
-    o.schedule = "cosine"
-    o.warmup_epochs = 10
-    o.warmup_start_lr = 0.0
-    o.final_lr_fraction = 1e-6 / (5e-4 * 1024 / 256)
-    o.weight_decay = 0.04
-    o.weight_decay_schedule = "cosine"
-    o.weight_decay_end = 0.4
-    o.regularize_bn = False
-    o.regularize_bias = False
-    o.grad_clip_per_parameter = 3.0
+    peak = 5e-4 * 1024 / 256  # the final rate is min_lr 1e-6
+    recipes.dino_vit_adamw(c, base_lr=5e-4, warmup_epochs=10, final_lr_fraction=1e-6 / peak)
     c.checkpoint.every_steps = 1251  # every epoch at batch 1024
     c.log_every_steps = 10
-    c.probe.num_classes = 1000
 
     if preset in ("demo", "test"):
         _demo(c)
@@ -123,21 +100,12 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.model.dtype = "float32"
     c.model.head_dims = ()
     c.num_epochs = 4
-    a = c.data.augment
-    a.num_crops = (1, 1)
-    a.crop_sizes = (32, 32)
-    a.crop_scale = ((0.3, 1.0), (0.3, 1.0))
-    a.blur_prob = (0.0,)  # blur destroys 32 px shapes (as every demo)
-    a.solarize_prob = (0.0, 0.2)
+    recipes.dino_demo_crops(c)
+    recipes.dino_demo_head(c)
     m = c.method
-    m.out_dim = m.patch_out_dim = 256
-    m.hidden_dim = 256
-    m.bottleneck_dim = 64
-    m.warmup_teacher_temp = m.teacher_temp = 0.02
+    m.patch_out_dim = 256
     m.warmup_teacher_patch_temp = m.teacher_patch_temp = 0.02
-    m.warmup_teacher_temp_epochs = 0.0
     m.teacher_momentum = 0.996
-    m.freeze_last_layer_epochs = 0.5
     # DINOv2's KoLeo term (not iBOT's) over groups of 64: without it the class tokens of the
     # demo images stay alike and kNN learns 5.3-10.0 points over seeds (docs/methods.md).
     c.loss.weights.koleo = 0.1
@@ -155,14 +123,10 @@ def _test(c: ml_collections.ConfigDict) -> None:
     recipes.tiny_vit(c)
     recipes.tiny_multicrop(c)
     c.model.drop_path_rate = 0.1
+    recipes.tiny_dino_head(c)
     m = c.method
-    m.out_dim = m.patch_out_dim = 32
-    m.hidden_dim = 32
-    m.bottleneck_dim = 16
+    m.patch_out_dim = 32
     m.shared_head = False  # main_ibot.py's default: the patch path's own last layer
-    m.warmup_teacher_temp = m.warmup_teacher_patch_temp = 0.04
-    m.teacher_temp = m.teacher_patch_temp = 0.07
-    m.warmup_teacher_temp_epochs = 1.0
-    m.freeze_last_layer_epochs = 0.5
+    m.warmup_teacher_patch_temp, m.teacher_patch_temp = 0.04, 0.07
     c.loss.weights.koleo = None  # iBOT's own terms (the demo's KoLeo: test_koleo_option.py)
     c.optim.warmup_epochs = 0

@@ -27,8 +27,7 @@ PRESETS = ("", "imagenet", "dino", "demo", "test")
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r} of configs/knn.py: use one of {PRESETS}.")
+    base.check_preset(preset, PRESETS, "configs/knn.py")
     c = base.get_base_config()
     recipes.evaluation(c, "knn", {"dino": ""}.get(preset, preset))
     k = c.knn

@@ -37,10 +37,7 @@ PRESETS = ("", "imagenet", "demo", "test")
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/linear_eval.py: use one of {PRESETS}."
-        )
+    base.check_preset(preset, PRESETS, "configs/linear_eval.py")
     c = base.get_base_config()
     recipes.evaluation(c, "linear_eval", preset)
 

@@ -29,8 +29,7 @@ PRESETS = ("", "voc07", "demo", "test")
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r} of configs/low_shot.py: use one of {PRESETS}.")
+    base.check_preset(preset, PRESETS, "configs/low_shot.py")
     c = base.get_base_config()
     recipes.evaluation(c, "low_shot", "" if preset == "voc07" else preset)
     if preset in ("", "voc07"):

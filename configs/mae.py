@@ -26,14 +26,8 @@ PRESETS = ("", "imagenet", "vit_large", "vit_base", "vit_huge", "demo", "test")
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/mae.py: use one of "
-            f"{', '.join(repr(p) for p in PRESETS)}."
-        )
-    c = base.get_base_config()
+    c = base.get_method_config("mae", preset, PRESETS)
     m = c.method
-    m.name = "mae"
     m.mask_ratio = 0.75  # --mask_ratio 0.75: the encoder sees int(L * 0.25) patches
     # mae_vit_*_dec512d8b: decoder 512 wide, 8 blocks of 16 heads, MLP ratio 4.
     m.decoder_dim = 512
@@ -51,9 +45,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     # RandomResizedCrop(224, scale=(0.2, 1.0), bicubic) + RandomHorizontalFlip, no colour;
     # 64 per GPU x 64 GPUs = 4096.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 4096
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=4096)
     _mae_views(c)
 
     # AdamW(betas=(0.9, 0.95)), --blr 1.5e-4 x batch / 256 (2.4e-3 at 4096), --weight_decay
@@ -77,7 +69,6 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     o.update_interval = "step"
     c.checkpoint.every_steps = 6240  # 20 epochs at 312 steps/epoch (main_pretrain: every 20)
     c.log_every_steps = 20  # print_freq 20
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
     # The class token (the trunk features the collapse monitor reads) gets no loss of its own,
     # and its effective rank stays low while the patch tokens learn (the demo: RankMe 5-8 of
     # 128): no alarm on it. The other collapse checks stay on.
@@ -103,11 +94,7 @@ def _mae_views(c: ml_collections.ConfigDict) -> None:
     a.num_crops = (1,)
     a.crop_sizes = ()
     a.crop_scale = (0.2, 1.0)
-    a.flip_prob = (0.5,)
-    a.color_jitter_prob = (0.0,)
-    a.grayscale_prob = (0.0,)
-    a.blur_prob = (0.0,)
-    a.solarize_prob = (0.0,)
+    recipes.crop_and_flip(c)
 
 
 def _vit(c: ml_collections.ConfigDict, trunk: str, patch: int, epochs: int) -> None:

@@ -14,10 +14,11 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = ("", "imagenet", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
-    c.method.name = "moco"
+    c = base.get_method_config("moco", preset, PRESETS)
     # VISSL moco_loss defaults (vissl/losses/moco_loss.py): queue 65536, momentum 0.999, T 0.2.
     c.method.queue_size = 65536
     c.method.momentum = 0.999
@@ -36,13 +37,9 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     # VISSL: imagenet1k folder, 32 per GPU x 8 GPUs = 256, RandomResizedCrop 224,
     # ImgPilColorDistortion strength 0.5, ImgPilGaussianBlur p 0.5 radius 0.1-2.0, flip 0.5.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 256
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=256)
     c.data.augment.crop_scale = (0.08, 1.0)  # torchvision RandomResizedCrop default, as VISSL
-    c.data.augment.color_strength = 0.5
-    c.data.augment.blur_prob = (0.5,)
-    c.data.augment.blur_sigma = (0.1, 2.0)
+    recipes.mocov2_augment(c)
 
     # VISSL: sgd, momentum 0.9, nesterov, weight_decay 1e-4, regularize_bn/bias True,
     # multistep lr [0.03, 0.003, 0.0003] at epochs [120, 160], update_interval epoch, 200 epochs.
@@ -59,19 +56,12 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.optim.update_interval = "epoch"
     c.log_every_steps = 50
     c.checkpoint.every_steps = 5000
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset == "demo":
+    if preset == "demo":
         _demo(c)
     elif preset == "test":
         _demo(c)
         _tiny(c)
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/moco.py: use '', 'imagenet', 'demo' or 'test'."
-        )
     return c
 
 

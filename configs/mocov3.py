@@ -24,14 +24,8 @@ VIT_WIDTH = {"vit_small": 384, "vit_base": 768}
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/mocov3.py: use one of "
-            f"{', '.join(repr(p) for p in PRESETS)}."
-        )
-    c = base.get_base_config()
+    c = base.get_method_config("mocov3", preset, PRESETS)
     m = c.method
-    m.name = "mocov3"
     # Momentum encoder: cosine from 0.99 to 1 over the run, per iteration (main_moco.py
     # --moco-m 0.99 with --moco-m-cos in every CONFIG.md command, adjust_moco_momentum).
     m.base_momentum = 0.99
@@ -62,9 +56,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # colour jitter (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, blur p 1.0 / 0.1 (sigma
     # 0.1-2.0), solarisation p 0.0 / 0.2, flip. Batch 4096 (-b default, the published ViT
     # models, "Below are our pre-trained ViT models (batch 4096)").
-    recipes.imagenet_data(c)
-    c.data.batch_size = 4096
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=4096)
     recipes.byol_views(c)
     c.data.augment.crop_scale = (0.08, 1.0)
 
@@ -90,7 +82,6 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     o.update_interval = "step"
     c.checkpoint.every_steps = 3130  # 10 epochs at 313 steps/epoch (the reference: every epoch)
     c.log_every_steps = 10  # -p print frequency
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
     if preset in ("", "imagenet", "vit_small"):
         _vit(c, "vit_small")
@@ -135,17 +126,7 @@ def _resnet50(c: ml_collections.ConfigDict) -> None:
     # dimension (biases, BN) get neither weight decay nor the trust ratio; --lr 0.6 x batch /
     # 256 (9.6 at 4096), --wd 1e-6; warmup 10 epochs from 0, then cosine to 0; 100 epochs.
     c.num_epochs = 100
-    o = c.optim
-    o.name = "lars"
-    o.lars_eta = 0.001
-    o.trust_ratio_exclude = "bias_and_norm"
-    o.momentum = 0.9
-    o.nesterov = False
-    o.weight_decay = 1e-6
-    o.regularize_bn = False
-    o.regularize_bias = False
-    o.base_lr = 0.6
-    o.warmup_epochs = 10
+    recipes.lars(c, base_lr=0.6, weight_decay=1e-6, warmup_epochs=10)
     c.checkpoint.every_steps = 3130
 
 

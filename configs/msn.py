@@ -16,11 +16,12 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = ("", "vit_small", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
+    c = base.get_method_config("msn", preset, PRESETS)
     m = c.method
-    m.name = "msn"
     # meta: hidden_dim 2048, output_dim 256, use_bn true (the projection head's two BNs).
     m.hidden_dim = 2048
     m.output_dim = 256
@@ -61,20 +62,12 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # target at 224 px, scale (0.3, 1); focal_views 10 at 96 px, scale (0.05, 0.3); flip 0.5,
     # colour jitter p 0.8 at strength 0.5 ((0.4, 0.4, 0.4, 0.1)), grayscale 0.2, blur p 0.5
     # (radius 0.1-2.0), no solarisation; ImageNet mean/std.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 1024
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=1024)
     a = c.data.augment
     a.num_crops = (2, 10)
     a.crop_sizes = (224, 96)
     a.crop_scale = ((0.3, 1.0), (0.05, 0.3))
-    a.flip_prob = (0.5,)
-    a.color_jitter_prob = (0.8,)
-    a.color_strength = 0.5
-    a.grayscale_prob = (0.2,)
-    a.blur_prob = (0.5,)
-    a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = (0.0,)
+    recipes.mocov2_augment(c)
 
     # optimization: AdamW (torch defaults), lr 2e-4 -> 1e-3 over warmup 15 epochs, then cosine
     # to final_lr 1e-6, not scaled by the batch; weight decay cosine 0.04 -> 0.4 on weights
@@ -100,18 +93,11 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     o.param_groups = (("prototypes", 1.0, 0.0),)  # the prototypes: the schedule, no decay
     c.checkpoint.every_steps = 1251  # every epoch at batch 1024
     c.log_every_steps = 10
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "vit_small"):
-        pass
-    elif preset in ("demo", "test"):
+    if preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
             _test(c)
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/msn.py: use '', 'vit_small', 'demo' or 'test'."
-        )
     return c
 
 

@@ -1,5 +1,6 @@
-"""Recipes that several configs share: ImageNet from TFDS, BYOL's asymmetric views, the demo
-data and model, the demo's LARS, VISSL's 8-node LARC schedule, the demo ViT trunk and the tiny
+"""Recipes that several configs share: ImageNet from TFDS and the ImageNet pre-training frame,
+the views of MoCo v2, BYOL and DINO and crop-and-flip ones, BYOL's LARS, VISSL's LARC, DINO's
+ViT AdamW, the demo data, model, crops, heads and optimizers, the demo ViT trunk and the tiny
 settings of the test presets. Each sets fields of a config made by ``base.get_base_config``."""
 
 import ml_collections
@@ -12,6 +13,45 @@ def imagenet_data(c: ml_collections.ConfigDict) -> None:
     c.data.name = "imagenet2012"
     c.data.train_split = "train"
     c.data.test_split = "validation"
+
+
+def imagenet_pretraining(
+    c: ml_collections.ConfigDict, batch_size: int, image_size: int = 224
+) -> None:
+    """What every ImageNet pre-training recipe starts from: ``imagenet_data`` at ``batch_size``
+    (global) and ``image_size`` px, and the online linear probe on ImageNet's 1000 labels
+    (BYOL App. C: stop-gradient trunk features; monitoring only)."""
+    imagenet_data(c)
+    c.data.batch_size = batch_size
+    c.data.image_size = image_size
+    c.probe.num_classes = 1000
+
+
+def mocov2_augment(c: ml_collections.ConfigDict) -> None:
+    """MoCo v2's augmentation (Chen et al. 2020, "Improved Baselines with Momentum Contrastive
+    Learning": aug+, SimCLR's at colour strength 0.5), which SimSiam and MSN reuse: flip 0.5,
+    colour jitter (0.4, 0.4, 0.4, 0.1) p 0.8, grayscale p 0.2, Gaussian blur p 0.5 (sigma
+    0.1-2.0), no solarisation, the same for every crop; the crops are each recipe's."""
+    a = c.data.augment
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.8,)
+    a.color_strength = 0.5
+    a.grayscale_prob = (0.2,)
+    a.blur_prob = (0.5,)
+    a.blur_sigma = (0.1, 2.0)
+    a.solarize_prob = (0.0,)
+
+
+def crop_and_flip(c: ml_collections.ConfigDict) -> None:
+    """RandomResizedCrop and a horizontal flip (p 0.5) alone, no colour jitter, grayscale, blur
+    or solarisation: MAE's pre-training views (main_pretrain.py ``transform_train``) and the
+    fine-tuning recipes' (VISSL's, MAE's main_finetune.py before its RandAugment)."""
+    a = c.data.augment
+    a.flip_prob = (0.5,)
+    a.color_jitter_prob = (0.0,)
+    a.grayscale_prob = (0.0,)
+    a.blur_prob = (0.0,)
+    a.solarize_prob = (0.0,)
 
 
 def byol_views(c: ml_collections.ConfigDict) -> None:
@@ -60,17 +100,76 @@ def demo_two_views(c: ml_collections.ConfigDict) -> None:
     a.solarize_prob = (0.0, 0.2)
 
 
+def dino_demo_crops(c: ml_collections.ConfigDict) -> None:
+    """DINO's two global crops at the demo's 32 px (configs/dino.py's demo; the iBOT and DINOv2
+    demos reuse them): scale 0.3-1, since the demo's classes are shapes and a small crop must
+    still hold part of the shape; no blur (it destroys 32 px shapes, as in every demo);
+    solarisation p 0.2 on the second crop."""
+    a = c.data.augment
+    a.num_crops = (1, 1)
+    a.crop_sizes = (32, 32)
+    a.crop_scale = ((0.3, 1.0), (0.3, 1.0))
+    a.blur_prob = (0.0,)
+    a.solarize_prob = (0.0, 0.2)
+
+
+def dino_demo_head(c: ml_collections.ConfigDict) -> None:
+    """The DINO demo's head and teacher (configs/dino.py's demo; the iBOT and DINOv2 demos reuse
+    them): 256 prototypes, hidden 256, bottleneck 64; a sharp teacher, temperature 0.02 from
+    the start (with ImageNet's 0.04 the teacher went uniform); the last layer frozen for half
+    an epoch."""
+    m = c.method
+    m.out_dim = 256
+    m.hidden_dim = 256
+    m.bottleneck_dim = 64
+    m.warmup_teacher_temp = 0.02
+    m.teacher_temp = 0.02
+    m.warmup_teacher_temp_epochs = 0.0
+    m.freeze_last_layer_epochs = 0.5
+
+
+def tiny_dino_head(c: ml_collections.ConfigDict) -> None:
+    """The test presets' DINO head (DINO, iBOT, DINOv2): 32 prototypes, hidden 32, bottleneck
+    16, the teacher temperature warming up from 0.04 to 0.07 over the first epoch and the last
+    layer frozen for half of it, so both schedules move within a test's steps."""
+    m = c.method
+    m.out_dim = 32
+    m.hidden_dim = 32
+    m.bottleneck_dim = 16
+    m.warmup_teacher_temp = 0.04
+    m.teacher_temp = 0.07
+    m.warmup_teacher_temp_epochs = 1.0
+    m.freeze_last_layer_epochs = 0.5
+
+
 def demo_lars(c: ml_collections.ConfigDict, base_lr: float, weight_decay: float) -> None:
-    """LARS as solo-learn trains the non-contrastive methods on CIFAR at 32 px
+    """``lars`` as solo-learn trains the non-contrastive methods on CIFAR at 32 px
     (vturrisi/solo-learn scripts/pretrain/cifar/{vicreg,barlow,byol,dino}.yaml): trust
     coefficient eta 0.02, not the ImageNet recipes' 0.001, biases and norms neither decayed nor
-    adapted, ``base_lr`` per 256 images, warmup then cosine. Plain SGD at a demo's learning
-    rate left VICReg and Barlow Twins below random-init features in 186 steps; this learns
+    adapted, ``base_lr`` per 256 images, one warmup epoch then cosine to 0. Plain SGD at a
+    demo's learning rate left VICReg and Barlow Twins below random-init features in 186 steps;
+    this learns
     (see their demo presets). Deliberate difference: solo-learn also clips each layer's rate
     at the global one (``clip_lr``); optax's LARS does not."""
+    lars(c, base_lr=base_lr, weight_decay=weight_decay, warmup_epochs=1, eta=0.02)
+
+
+def lars(
+    c: ml_collections.ConfigDict,
+    base_lr: float,
+    weight_decay: float,
+    warmup_epochs: float,
+    final_lr_fraction: float = 0.0,
+    eta: float = 0.001,
+) -> None:
+    """LARS as BYOL trains with it (Grill et al. 2020, Sec. 3.3), which VICReg, MoCo v3's
+    ResNet-50 and solo-learn's CIFAR recipes reuse: trust coefficient ``eta``, momentum 0.9
+    without Nesterov, biases and norms neither decayed nor adapted (exclude_bias_and_norm),
+    ``base_lr`` per 256 images (linear scaling), a linear warmup from 0 over ``warmup_epochs``,
+    then cosine to ``final_lr_fraction`` of the peak, per step."""
     o = c.optim
     o.name = "lars"
-    o.lars_eta = 0.02
+    o.lars_eta = eta
     o.trust_ratio_exclude = "bias_and_norm"
     o.regularize_bn = False
     o.regularize_bias = False
@@ -81,42 +180,109 @@ def demo_lars(c: ml_collections.ConfigDict, base_lr: float, weight_decay: float)
     o.momentum = 0.9
     o.nesterov = False
     o.schedule = "cosine"
-    o.warmup_epochs = 1
+    o.warmup_epochs = warmup_epochs
     o.warmup_start_lr = 0.0
     o.warmup_start_nodes = 0
     o.interval_scaling = "rescaled"
-    o.final_lr_fraction = 0.0
+    o.final_lr_fraction = final_lr_fraction
     o.update_interval = "step"
 
 
 def vissl_8node_larc(c: ml_collections.ConfigDict, warmup_epochs: float, final_fraction: float):
     """The optimizer VISSL's 8-node SimCLR and SwAV recipes share (simclr_8node_resnet.yaml,
-    swav_8node_resnet.yaml): sgd + use_larc (clip False, trust_coefficient 0.001, eps 1e-8),
-    weight_decay 1e-6, momentum 0.9, nesterov False, regularize_bn/bias True; lr composite of
-    linear warmup then cosine with interval_scaling [rescaled, fixed], auto_lr_scaling
-    base_value 0.3 per 256 (4.8 at 4096), which rewrites the warmup start to the base rate at
-    one node's batch (0.6 at 512); update_interval step. Warmup length and the cosine's end
-    differ per recipe."""
+    swav_8node_resnet.yaml): ``vissl_larc`` with weight_decay 1e-6, regularize_bn/bias True and
+    auto_lr_scaling base_value 0.3 per 256 (4.8 at 4096), which rewrites the warmup start to the
+    base rate at one node's batch (0.6 at 512). Warmup length and the cosine's end differ per
+    recipe."""
+    vissl_larc(
+        c,
+        base_lr=0.3,
+        weight_decay=1e-6,
+        warmup_epochs=warmup_epochs,
+        final_fraction=final_fraction,
+        nodes=8,
+        regularize_bn_and_bias=True,
+    )
+
+
+def vissl_larc(
+    c: ml_collections.ConfigDict,
+    base_lr: float,
+    weight_decay: float,
+    warmup_epochs: float,
+    final_fraction: float,
+    nodes: int,
+    regularize_bn_and_bias: bool,
+) -> None:
+    """VISSL's LARC pre-training optimizer (its SimCLR, SwAV and Barlow Twins yamls): sgd +
+    use_larc (clip False, trust_coefficient 0.001, eps 1e-8; apex LARC adapts every
+    parameter), momentum 0.9, nesterov False; lr composite of a linear warmup then cosine with
+    interval_scaling [rescaled, fixed], auto_lr_scaling ``base_lr`` per 256, the warmup starting
+    at the base rate scaled to one of ``nodes`` nodes' batch (VISSL's resolve_linear_schedule),
+    the cosine ending at ``final_fraction`` of the peak; update_interval step."""
     o = c.optim
     o.name = "larc"
     o.larc_clip = False
     o.lars_eta = 0.001
     o.larc_eps = 1e-8
     o.trust_ratio_exclude = "none"
-    o.weight_decay = 1e-6
+    o.weight_decay = weight_decay
     o.momentum = 0.9
     o.nesterov = False
-    o.regularize_bn = True
-    o.regularize_bias = True
-    o.base_lr = 0.3
+    o.regularize_bn = regularize_bn_and_bias
+    o.regularize_bias = regularize_bn_and_bias
+    o.base_lr = base_lr
     o.base_lr_batch_size = 256
     o.lr_scaling = "linear"
     o.schedule = "cosine"
     o.warmup_epochs = warmup_epochs
-    o.warmup_start_nodes = 8
+    o.warmup_start_nodes = nodes
     o.interval_scaling = "fixed"
     o.final_lr_fraction = final_fraction
     o.update_interval = "step"
+
+
+def demo_sgd(c: ml_collections.ConfigDict, base_lr: float, warmup_epochs: float) -> None:
+    """Plain SGD in place of ``vissl_8node_larc`` in the SimCLR, SwAV and DeepCluster-v2 demos:
+    LARC's step is lr x trust_coefficient x |w| per layer, made for lr 4.8 at batch 4096; at a
+    demo's rate it barely moves (SimCLR's demo: kNN below random init after 6 epochs).
+    ``base_lr`` per 256 images, a linear warmup from 0, cosine to 0, weight decay 5e-4 (a few
+    hundred steps on 8000 images: the MoCo demo's value)."""
+    o = c.optim
+    o.name = "sgd"
+    o.base_lr = base_lr
+    o.warmup_epochs = warmup_epochs
+    o.warmup_start_nodes = 0
+    o.warmup_start_lr = 0.0
+    o.interval_scaling = "rescaled"
+    o.final_lr_fraction = 0.0
+    o.weight_decay = 5e-4
+
+
+def dino_vit_adamw(
+    c: ml_collections.ConfigDict, base_lr: float, warmup_epochs: float, final_lr_fraction: float
+) -> None:
+    """DINO's ViT optimizer (Caron et al. 2021, main_dino.py with ``--arch vit_small``), which
+    iBOT reuses (main_ibot.py): AdamW with torch's betas (0.9, 0.999) at ``base_lr`` per 256
+    images, a linear warmup from 0 over ``warmup_epochs``, then cosine to ``final_lr_fraction``
+    of the peak; weight decay cosine 0.04 -> 0.4 on weights only, not biases or norms
+    (utils.get_params_groups); each parameter's gradient clipped at 3.0 (utils.clip_gradients)."""
+    o = c.optim
+    o.name = "adamw"
+    o.betas = (0.9, 0.999)
+    o.base_lr = base_lr
+    o.base_lr_batch_size = 256
+    o.lr_scaling = "linear"
+    o.schedule = "cosine"
+    o.warmup_epochs = warmup_epochs
+    o.warmup_start_lr = 0.0
+    o.final_lr_fraction = final_lr_fraction
+    o.weight_decay = 0.04
+    o.weight_decay_schedule = "cosine"
+    o.weight_decay_end = 0.4
+    o.regularize_bn = False
+    o.regularize_bias = False
+    o.grad_clip_per_parameter = 3.0
 
 
 def demo_vit_trunk(c: ml_collections.ConfigDict, pos_embed_init: str) -> None:

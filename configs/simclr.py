@@ -17,10 +17,11 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = ("", "imagenet", "imagenet_8dev", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
-    c.method.name = "simclr"
+    c = base.get_method_config("simclr", preset, PRESETS)
     c.method.temperature = 0.1  # SIMCLR_INFO_NCE_LOSS.TEMPERATURE
     base.loss_terms(c, info_nce=1.0)  # NT-Xent alone
 
@@ -33,9 +34,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
 
     # BATCHSIZE_PER_REPLICA 64 x 8 nodes x 8 GPUs; RandomResizedCrop 224, flip 0.5,
     # ImgPilColorDistortion strength 1.0, ImgPilGaussianBlur p 0.5 radius 0.1-2.0.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 4096
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=4096)
     c.data.augment.crop_scale = (0.08, 1.0)
     c.data.augment.color_strength = 1.0
     c.data.augment.blur_prob = (0.5,)
@@ -47,21 +46,13 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     recipes.vissl_8node_larc(c, warmup_epochs=10, final_fraction=0.0)
     c.checkpoint.every_steps = 1560  # VISSL CHECKPOINT_FREQUENCY 5 epochs at 312 steps/epoch
     c.log_every_steps = 10  # LOG_FREQUENCY
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset == "imagenet_8dev":
+    if preset == "imagenet_8dev":
         _eight_devices(c)
     elif preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
             recipes.tiny(c)
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/simclr.py: use '', 'imagenet', 'imagenet_8dev', "
-            "'demo' or 'test'."
-        )
     return c
 
 
@@ -71,16 +62,8 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     c.num_epochs = 3  # 186 steps; a SimCLR step backpropagates both views (2x MoCo's work)
     c.model.head_dims = (128, 128, 64)
     c.model.sync_bn = True
-    # Plain SGD: LARC's step is lr * trust_coefficient * |w| per layer, made for lr 4.8 at
-    # batch 4096; at a demo's lr it barely moves (kNN below random init after 6 epochs).
-    o = c.optim
-    o.name = "sgd"
-    o.base_lr = 0.12  # 0.06 at batch 128
-    o.warmup_epochs = 1
-    o.warmup_start_nodes = 0
-    o.warmup_start_lr = 0.0
-    o.interval_scaling = "rescaled"
-    o.weight_decay = 5e-4  # a few hundred steps on 8000 images: the demo's MoCo value
+    # Plain SGD, not LARC: at a demo's lr LARC barely moves (recipes.demo_sgd).
+    recipes.demo_sgd(c, base_lr=0.12, warmup_epochs=1)  # 0.06 at batch 128
     c.method.temperature = 0.2
 
 

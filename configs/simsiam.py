@@ -13,11 +13,12 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = ("", "imagenet", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
+    c = base.get_method_config("simsiam", preset, PRESETS)
     m = c.method
-    m.name = "simsiam"
     # The predictor h: 2048-512-2048 bottleneck, BN on the hidden layer only (Sec. 3; the
     # code's --pred-dim 512). Its learning rate is not fixed here (see jssl/methods/simsiam.py).
     m.predictor_dims = (2048, 512, 2048)
@@ -36,19 +37,10 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # main_simsiam.py: RandomResizedCrop 224 scale (0.2, 1), ColorJitter(0.4, 0.4, 0.4, 0.1)
     # p 0.8 (strength 0.5), grayscale p 0.2, Gaussian blur sigma 0.1-2.0 p 0.5, flip 0.5;
     # batch 512.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 512
-    c.data.image_size = 224
-    a = c.data.augment
-    a.num_crops = (2,)
-    a.crop_scale = (0.2, 1.0)
-    a.flip_prob = (0.5,)
-    a.color_jitter_prob = (0.8,)
-    a.color_strength = 0.5
-    a.grayscale_prob = (0.2,)
-    a.blur_prob = (0.5,)
-    a.blur_sigma = (0.1, 2.0)
-    a.solarize_prob = (0.0,)
+    recipes.imagenet_pretraining(c, batch_size=512)
+    c.data.augment.num_crops = (2,)
+    c.data.augment.crop_scale = (0.2, 1.0)
+    recipes.mocov2_augment(c)
 
     # SGD momentum 0.9, lr 0.05 * batch / 256 (0.1 at 512), weight decay 1e-4 on every
     # parameter (torch SGD's weight_decay), cosine to 0 without warmup, set once per epoch
@@ -70,11 +62,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     o.update_interval = "epoch"
     c.checkpoint.every_steps = 2500  # the code saves every epoch (2502 steps at batch 512)
     c.log_every_steps = 10  # --print-freq
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset in ("demo", "test"):
+    if preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
             recipes.tiny(c)
@@ -83,11 +72,6 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             # The test preset keeps the rates its tests were written with (LARS 0.3 per 256).
             c.optim.base_lr = 0.3
             c.optim.weight_decay = 1e-4
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/simsiam.py: use '', 'imagenet', 'demo' or "
-            "'test'."
-        )
     return c
 
 

@@ -54,9 +54,8 @@ PRESETS = (
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
+    c = base.get_method_config("supervised", preset, PRESETS)
     m = c.method
-    m.name = "supervised"
     # LOSS cross_entropy_multiple_output_single_target: label_smoothing 0.0, temperature 1.0,
     # normalize_output False (its defaults).
     m.label_smoothing = 0.0
@@ -127,9 +126,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     c.probe.num_classes = 0  # the model's own classifier is trained; no online probe
     c.seed = 0  # SEED_VALUE
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset == "finetune_full":
+    if preset == "finetune_full":
         _finetune_full(c)
     elif preset == "finetune_1pct":
         _finetune(c, "imagenet2012_subset/1pct")
@@ -145,33 +142,29 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
         _finetune_demo(c)
     elif preset == "finetune_vit":
         _finetune_vit(c)
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/supervised.py: use one of "
-            f"{', '.join(repr(p) for p in PRESETS)}."
-        )
     # After the presets: one weight field per output (cross_entropy, cross_entropy_<tap>).
     base.loss_terms(c, cross_entropy=1.0)
     return c
+
+
+def _pretrained_trunk(c: ml_collections.ConfigDict) -> None:
+    """What every fine-tuning preset starts from (VISSL's WEIGHTS_INIT with APPEND_PREFIX trunk.):
+    the trunk of ``init.checkpoint``, required, with its workdir's ``model.*`` fields, and a
+    fresh classifier whatever the checkpoint's head holds."""
+    c.method.require_init_checkpoint = True
+    c.init.trunk_from_checkpoint = True
+    c.init.skip = ("head",)
 
 
 def _finetune(c: ml_collections.ConfigDict, dataset: str) -> None:
     """VISSL's semi-supervised full fine-tuning on ImageNet (semi_supervised/imagenet1k/
     eval_resnet_8gpu_transfer_in1k_semi_sup_fulltune.yaml with dataset/simclr_in1k_per01.yaml
     or per10.yaml; SimCLR's 1% / 10% subsets, which TFDS ships as imagenet2012_subset)."""
-    # WEIGHTS_INIT: the trunk from a pre-trained model (APPEND_PREFIX trunk.); the classifier
-    # starts fresh whatever the checkpoint's head holds.
-    c.method.require_init_checkpoint = True
-    c.init.trunk_from_checkpoint = True  # the trunk's model.* from its workdir
-    c.init.skip = ("head",)
+    _pretrained_trunk(c)
     c.data.name = dataset
     c.data.test_split = "validation"  # the full ImageNet validation set
     c.data.batch_size = 256  # BATCHSIZE_PER_REPLICA 32 x 8 GPUs, DROP_LAST True
-    # RandomResizedCrop 224 + RandomHorizontalFlip only.
-    a = c.data.augment
-    a.color_jitter_prob = (0.0,)
-    a.grayscale_prob = (0.0,)
-    a.blur_prob = (0.0,)
+    recipes.crop_and_flip(c)  # RandomResizedCrop 224 + RandomHorizontalFlip only
     # OPTIMIZER sgd, momentum 0.9, nesterov True, weight_decay 0.0, regularize_bn False,
     # regularize_bias True; lr auto-scaled 0.05 per 256, multistep [0.05, 0.005] at epoch 30,
     # update_interval epoch; num_epochs 70; SEED_VALUE 1.
@@ -195,15 +188,10 @@ def _finetune_full(c: ml_collections.ConfigDict) -> None:
     optimization/different_lr_trunk_head.yaml, the VISSL recipe that gives the head its own
     weight decay: trunk 1e-4, head 1e-6 (head_optimizer_params use_different_wd True,
     weight_decay 0.000001), the head at the trunk's schedule (lr_head = lr)."""
-    c.method.require_init_checkpoint = True
-    c.init.trunk_from_checkpoint = True  # the trunk's model.* from its workdir
-    c.init.skip = ("head",)
+    _pretrained_trunk(c)
     c.data.test_split = "validation"
     c.data.batch_size = 256  # BATCHSIZE_PER_REPLICA 32 x 8 GPUs
-    a = c.data.augment  # RandomResizedCrop 224 + RandomHorizontalFlip only
-    a.color_jitter_prob = (0.0,)
-    a.grayscale_prob = (0.0,)
-    a.blur_prob = (0.0,)
+    recipes.crop_and_flip(c)  # RandomResizedCrop 224 + RandomHorizontalFlip only
     # OPTIMIZER sgd, momentum 0.9, nesterov True, weight_decay 0.0001, regularize_bn False,
     # regularize_bias True; lr (and lr_head) auto-scaled 0.1 per 256, multistep x0.1 at 30, 60,
     # 90, 100, update_interval epoch; num_epochs 105; SEED_VALUE 1.
@@ -226,12 +214,9 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     recipes.demo_data_and_model(c)
     c.model.head_dims = (128, 10)  # ResNet-18 x0.25 has 128 features; 10 demo classes
     c.probe.num_classes = 0
-    a = c.data.augment
-    a.num_crops = (1,)
-    a.crop_scale = (0.2, 1.0)
-    a.color_jitter_prob = (0.0,)
-    a.grayscale_prob = (0.0,)
-    a.blur_prob = (0.0,)
+    c.data.augment.num_crops = (1,)
+    c.data.augment.crop_scale = (0.2, 1.0)
+    recipes.crop_and_flip(c)
     c.num_epochs = 3
     c.test_every_epochs = 1
     o = c.optim
@@ -249,9 +234,7 @@ def _finetune_demo(c: ml_collections.ConfigDict) -> None:
     From the SimCLR demo's workdir it beats the same 800 labels from scratch (docs/methods.md).
     """
     _demo(c)
-    c.method.require_init_checkpoint = True
-    c.init.trunk_from_checkpoint = True  # the trunk's model.* from its workdir
-    c.init.skip = ("head",)
+    _pretrained_trunk(c)
     c.data.train_subset = 800
     c.data.batch_size = 64
     c.num_epochs = 10
@@ -276,9 +259,7 @@ def _finetune_vit(c: ml_collections.ConfigDict) -> None:
     ``model.*`` fields come from its config.json (``init.trunk_from_checkpoint``) and the
     classifier's input width follows, so a DINO ViT-S/16 fine-tunes as a ViT-S/16. MAE's
     ViT-L/16 recipe: layer_decay 0.75, base_lr 1e-3, drop path 0.2, 50 epochs."""
-    c.method.require_init_checkpoint = True
-    c.init.trunk_from_checkpoint = True  # the trunk's model.* from its workdir
-    c.init.skip = ("head",)
+    _pretrained_trunk(c)
     m = c.method
     m.head_input = "patch_avg"  # main_finetune.py: global_pool True by default
     m.label_smoothing = 0.1  # --smoothing
@@ -297,13 +278,9 @@ def _finetune_vit(c: ml_collections.ConfigDict) -> None:
     c.data.batch_size = 1024  # 32 per GPU x 32 GPUs (or x 8 with accum_iter 4)
     # timm's create_transform for training: RandomResizedCrop 224 (scale 0.08-1), flip,
     # RandAugment rand-m9-mstd0.5-inc1, no colour jitter, random erasing 0.25 ("pixel" mode).
+    recipes.crop_and_flip(c)
     a = c.data.augment
     a.crop_scale = (0.08, 1.0)
-    a.flip_prob = (0.5,)
-    a.color_jitter_prob = (0.0,)
-    a.grayscale_prob = (0.0,)
-    a.blur_prob = (0.0,)
-    a.solarize_prob = (0.0,)
     a.randaugment_ops = 2  # rand-m9-mstd0.5: two ops, magnitude 9 with noise of std 0.5
     a.randaugment_magnitude = 9.0
     a.randaugment_magnitude_std = 0.5

@@ -65,8 +65,7 @@ def add_svm(c: ml_collections.ConfigDict, preset: str) -> None:
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r} of configs/svm.py: use one of {PRESETS}.")
+    base.check_preset(preset, PRESETS, "configs/svm.py")
     c = base.get_base_config()
     recipes.evaluation(c, "svm", "" if preset == "voc07" else preset)
     if preset in ("", "voc07"):

@@ -18,11 +18,12 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = ("", "imagenet", "seer", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
+    c = base.get_method_config("swav", preset, PRESETS)
     m = c.method
-    m.name = "swav"
     # LOSS.swav_loss: temperature 0.1, epsilon 0.05, num_iters 3, crops_for_assign [0, 1],
     # normalize_last_layer True, use_double_precision False, queue_length 0 / start_iter 0.
     m.temperature = 0.1
@@ -49,9 +50,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # BATCHSIZE_PER_REPLICA 64 x 64 GPUs; ImgPilToMultiCrop size_crops [224, 96], num_crops
     # [2, 6], crop_scales [[0.14, 1], [0.05, 0.14]]; flip 0.5; ImgPilColorDistortion strength
     # 1.0; ImgPilGaussianBlur p 0.5, radius 0.1-2.0.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 4096
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=4096)
     a = c.data.augment
     a.num_crops = (2, 6)
     a.crop_sizes = (224, 96)
@@ -68,11 +67,8 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     recipes.vissl_8node_larc(c, warmup_epochs=10, final_fraction=0.001)
     c.checkpoint.every_steps = 1560  # CHECKPOINT_FREQUENCY 5 epochs at 312 steps/epoch
     c.log_every_steps = 10  # LOG_FREQUENCY
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset == "seer":
+    if preset == "seer":
         _seer(c)
     elif preset in ("demo", "test"):
         _demo(c)
@@ -88,11 +84,6 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
             c.method.freeze_prototypes_iters = 2
             c.method.queue_length = 32  # two batches: full after step 2
             c.method.queue_start_epoch = 0.5  # step 2 of the 4 steps of an epoch
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/swav.py: use '', 'imagenet', 'seer', 'demo' or "
-            "'test'."
-        )
     return c
 
 
@@ -144,12 +135,4 @@ def _demo(c: ml_collections.ConfigDict) -> None:
     m.temperature = 0.3  # softer predictions than VISSL's 0.1, at which the head collapsed
     m.freeze_prototypes_iters = 31  # half a demo epoch (VISSL: 313, one ImageNet epoch)
     m.queue_length = 0
-    o = c.optim
-    o.name = "sgd"  # LARC's per-layer steps are made for lr 4.8 at batch 4096 (see SimCLR's demo)
-    o.base_lr = 0.3  # 0.15 at batch 128
-    o.warmup_epochs = 1
-    o.warmup_start_nodes = 0
-    o.warmup_start_lr = 0.0
-    o.interval_scaling = "rescaled"
-    o.final_lr_fraction = 0.0
-    o.weight_decay = 5e-4
+    recipes.demo_sgd(c, base_lr=0.3, warmup_epochs=1)  # 0.15 at batch 128

@@ -22,10 +22,7 @@ PRESETS = ("", "imagenet", "demo", "test")
 
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    if preset not in PRESETS:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/test_loss.py: use one of {PRESETS}."
-        )
+    base.check_preset(preset, PRESETS, "configs/test_loss.py")
     c = base.get_base_config()
     recipes.evaluation(c, "test_loss", preset)
     c.test_loss = ml_collections.ConfigDict()

@@ -14,10 +14,11 @@ import ml_collections
 
 from configs import base, recipes
 
+PRESETS = ("", "imagenet", "demo", "test")
+
 
 def get_config(preset: str = "") -> ml_collections.ConfigDict:
-    c = base.get_base_config()
-    c.method.name = "vicreg"
+    c = base.get_method_config("vicreg", preset, PRESETS)
     c.method.std_target = 1.0  # gamma of the variance hinge (Eq. 1)
     c.method.std_eps = 1e-4  # epsilon under its square root (Eq. 1; code: + 0.0001)
     # lambda, mu, nu (Sec. 4.1; code: --sim-coeff 25, --std-coeff 25, --cov-coeff 1).
@@ -37,9 +38,7 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # Batch 2048 (--batch-size); BYOL's augmentations (Appendix C.1, augmentations.py):
     # RandomResizedCrop 224 (0.08-1), flip 0.5, colour jitter p 0.8, grayscale p 0.2, blur p
     # [1.0, 0.1] sigma 0.1-2.0, solarisation p [0.0, 0.2]: per view, so two crop groups.
-    recipes.imagenet_data(c)
-    c.data.batch_size = 2048
-    c.data.image_size = 224
+    recipes.imagenet_pretraining(c, batch_size=2048)
     recipes.byol_views(c)
 
     # LARS (eta 0.001, momentum 0.9; biases and norms neither decayed nor adapted:
@@ -47,40 +46,15 @@ def get_config(preset: str = "") -> ml_collections.ConfigDict:
     # epochs, linear warmup from 0 over 10 epochs, then cosine from the peak to 0.001 of it
     # (adjust_learning_rate: the cosine runs over the steps after the warmup).
     c.num_epochs = 1000
-    o = c.optim
-    o.name = "lars"
-    o.lars_eta = 0.001
-    o.trust_ratio_exclude = "bias_and_norm"
-    o.weight_decay = 1e-6
-    o.momentum = 0.9
-    o.nesterov = False
-    o.regularize_bn = False
-    o.regularize_bias = False
-    o.base_lr = 0.2
-    o.base_lr_batch_size = 256
-    o.lr_scaling = "linear"
-    o.schedule = "cosine"
-    o.warmup_epochs = 10
-    o.warmup_start_lr = 0.0
-    o.warmup_start_nodes = 0
-    o.interval_scaling = "rescaled"
-    o.final_lr_fraction = 0.001
-    o.update_interval = "step"
+    recipes.lars(c, base_lr=0.2, weight_decay=1e-6, warmup_epochs=10, final_lr_fraction=0.001)
     c.checkpoint.every_steps = 3125  # every 5 epochs at 625 steps/epoch (the code: each epoch)
     c.log_every_steps = 10
-    c.probe.num_classes = 1000  # online linear probe on ImageNet labels (monitoring only)
 
-    if preset in ("", "imagenet"):
-        pass
-    elif preset in ("demo", "test"):
+    if preset in ("demo", "test"):
         _demo(c)
         if preset == "test":
             recipes.tiny(c)
             c.model.head_dims = (64, 32, 32)
-    else:
-        raise ValueError(
-            f"Unknown preset {preset!r} of configs/vicreg.py: use '', 'imagenet', 'demo' or 'test'."
-        )
     return c
 
 
