@@ -1,21 +1,16 @@
 """jssl.data: deterministic, host-local input pipelines for SSL training and evaluation.
 
-Sources: "demo" (a built-in generated dataset, offline), "tfds" (any TFDS dataset by name)
-and "folder" (root/<split>/<class>/<images>). The trainer uses four functions:
-
-- build_train_dataset: one epoch of this process's batches of augmented crops (one array per
-  crop group, see crops.py; with data.augment.on_device uint8 crops + flips and the seeds from
-  which the train step makes the views, see device_augment.py), with a per-row
-  "replaced" flag (True where an unreadable example was replaced, data.skip_corrupt=True); the
-  order is a seeded global permutation per epoch (epoch_order, process_order; see order.py);
-- build_eval_dataset: the whole split, un-augmented, padded with a mask to static shapes;
-- num_examples, steps_per_epoch: sizes, the same on every process.
-
-The batches come from grain (grain_pipeline.py) for image folders, and for TFDS data and the
-demo from tf.data (pipeline.py) where TensorFlow is installed, else from grain (ArrayRecord TFDS)
-or a numpy twin (numpy_pipeline.py, the demo): backend.py picks one per config (data.loader),
-loader.py builds it. Importing jssl.data, the crop groups, the order and the
-on-device augmentation never imports TensorFlow; only building a tf.data pipeline does.
+Sources: "demo" (a built-in generated dataset, offline), "tfds" (any TFDS dataset by name) and
+"folder" (root/<split>/<class>/<images>). ``build_train_dataset`` gives one epoch of this
+process's batches of augmented crops (one array per crop group, crops.py; where the step makes
+the photometric half, uint8 crops and their seeds, device_augment.py), each row flagged
+"replaced" where an unreadable example was replaced, in a seeded global order (order.py);
+``build_eval_dataset`` the whole split, un-augmented, padded with a mask to static shapes;
+``num_examples`` and ``steps_per_epoch`` the sizes, the same on every process. backend.py picks
+the pipeline per config (grain_pipeline.py, pipeline.py for tf.data, numpy_pipeline.py for the
+demo) and loader.py builds it. Importing jssl.data, the crop groups, the order and the
+on-device augmentation never imports TensorFlow; only building a tf.data pipeline does. More:
+docs/operations.md, "Data"; docs/design.md, "Data".
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """Which input pipeline serves a data config, which half of the views the train step makes,
 and synthetic batches of that layout.
 
-Three pipelines read jssl's sources: tf.data (jssl.data.pipeline) for every source, grain
-(jssl.data.grain_pipeline) for image folders, TFDS datasets stored as ArrayRecord and the demo
-data without TensorFlow, and for the demo data a numpy pipeline (jssl.data.numpy_pipeline).
-``data.loader="auto"`` (the default) picks grain for image folders (it makes more images per CPU
-second than tf.data: benchmarks/input_pipeline.py --compare_loaders), tf.data for TFDS and the
-demo data where TensorFlow is installed, and where it is not grain for TFDS (ArrayRecord) and
-the numpy pipeline for the demo data. "tf", "grain" and "numpy" (demo only) choose one.
-
-grain and the numpy pipeline crop and flip on the host and leave the rest of each view (colour,
-blur, solarisation) to the train step (jssl.data.device_augment) whatever data.augment.on_device
-says; where the views need nothing more (the linear heads' images) they finish them
-themselves. ``views_on_device`` tells the step and the pipelines which half makes what.
+Three pipelines read jssl's sources: tf.data (jssl.data.pipeline) any source; grain
+(jssl.data.grain_pipeline) image folders, TFDS ArrayRecord datasets and the demo data, without
+TensorFlow; a numpy pipeline (jssl.data.numpy_pipeline) the demo data. ``data.loader="auto"``
+picks grain for image folders (more images per CPU second than tf.data:
+benchmarks/input_pipeline.py --compare_loaders), tf.data for TFDS and the demo data where
+TensorFlow is installed, and without it grain for TFDS and the numpy pipeline for the demo;
+"tf", "grain" and "numpy" (demo only) choose one. grain and the numpy pipeline crop and flip on
+the host and leave the rest of each view to the train step (jssl.data.device_augment) whatever
+data.augment.on_device says, unless the views need nothing more (the linear heads' images);
+``views_on_device`` tells the step and the pipelines which half makes what.
 """
 
 from __future__ import annotations

@@ -1,35 +1,16 @@
 """Crop groups: which augmented crops the training pipeline makes of each image.
 
 A crop group is a number of crops that share a size, a scale range and augmentation
-probabilities: SimCLR and MoCo take one group of two 224 px crops; SwAV two groups, 2x224 px
-(scale 0.14-1) and 6x96 px (scale 0.05-0.14) (Caron et al. 2020, Sec. 3.2; VISSL
-``ImgPilToMultiCrop`` with ``num_crops: [2, 6]``, ``size_crops: [224, 96]``,
-``crop_scales: [[0.14, 1], [0.05, 0.14]]``); BYOL and DINO need groups of equal size that
-differ in blur and solarisation (one crop per group).
-
-Config (``data.augment``), each per-group field given once for every group or once per group:
-
-  num_crops         crops per group, e.g. (2,) or (2, 6); its length is the number of groups
-  crop_sizes        side of each group's crops; () = ``data.image_size`` for every group
-  crop_scale        (min, max) area fraction, or one such pair per group
-  flip_prob, color_jitter_prob, grayscale_prob, blur_prob, solarize_prob
-                    tuples: one value for every group, or one per group (a command-line
-                    scalar, ``--config.data.augment.blur_prob=0.2``, is a 1-tuple)
-  randaugment_ops, randaugment_magnitude, randaugment_magnitude_std, random_erasing_prob
-                    scalars for every group: the ViT fine-tuning recipes' RandAugment and
-                    random erasing (jssl.data.randaugment), off by default
-
-The batch carries one array per group, ``batch["crops"][g]`` of shape (N, num_crops[g],
-S_g, S_g, 3); crop j of example i is a function of (seed, epoch, dataset index, crop number),
-crop numbers running over the groups in order (group 0's crops first), so the views of an
-example stay aligned across groups and are the same on any number of processes.
-
-The tf.data ops that make the crops are in jssl.data.transforms (``make_crops``, and
-``host_crops`` where the train step makes the photometric half: jssl.data.device_augment).
-This module imports no other module of jssl.data and no TensorFlow: the crop groups are also
-read by the train step, the methods and the numpy pipeline, which run without TensorFlow. It
-also holds what the tf.data ops and their on-device twins share (blur_radius, RandAugment's op
-list, random erasing's ranges), so that the two sides read one set of numbers.
+probabilities: SimCLR and MoCo take one group of two 224 px crops; SwAV 2x224 px (scale 0.14-1)
+and 6x96 px (scale 0.05-0.14) (Caron et al. 2020, Sec. 3.2; VISSL ``ImgPilToMultiCrop``); BYOL
+and DINO groups of equal size that differ in blur and solarisation. The ``data.augment`` fields
+are read in ``crop_groups``. ``batch["crops"][g]`` is (N, num_crops[g], S_g, S_g, 3); crop j of
+an example is a function of (seed, epoch, dataset index, crop number), numbered over the groups
+in order, so an example's views stay aligned across groups and are the same on any number of
+processes. This module imports no TensorFlow and no other jssl.data module: the train step, the
+methods and the numpy pipeline read the groups too, and the tf.data ops (jssl.data.transforms)
+and their on-device twins read one set of numbers here (blur_radius, RandAugment's op list,
+random erasing's ranges). More: docs/operations.md, "Data".
 """
 
 from __future__ import annotations
@@ -159,7 +140,14 @@ def _finetune_fields(augment) -> dict:
 
 
 def crop_groups(data_config) -> list[CropGroup]:
-    """The crop groups of ``data_config.augment``, validated (errors name the field)."""
+    """The crop groups of ``data_config.augment``, validated (errors name the field).
+
+    ``num_crops`` lists the crops per group (its length is the number of groups);
+    ``crop_sizes`` one side per group (``()``: ``data.image_size`` for every group);
+    ``crop_scale`` a (min, max) area fraction; ``crop_sizes``, ``crop_scale`` and the
+    probabilities of ``PROB_FIELDS`` take one value for every group or one per group (a
+    command-line scalar, ``--config.data.augment.blur_prob=0.2``, is a 1-tuple). The
+    RandAugment and random-erasing scalars apply to every group, off by default."""
     augment = data_config.augment
     num_crops = tuple(augment.num_crops)
     if not num_crops or any(int(k) < 1 for k in num_crops):

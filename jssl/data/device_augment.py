@@ -1,22 +1,17 @@
 """The photometric half of the SSL views, run on the accelerator inside the jitted train step.
 
-With ``data.augment.on_device=True`` (and with the demo data's numpy pipeline, see
-jssl.data.backend.views_on_device) the host pipeline makes only each view's crop and flip, as
-uint8 (jssl.data.transforms.host_crops), and hands over the view's colour, blur and solarize
-sub-seeds (jssl.data.transforms.view_seeds, the same (seed, epoch, index, crop) key as the host
-path). Here, per crop and per crop group, the rest of jssl.data.transforms.ssl_view runs in
-float32 on the devices: RandAugment where the group has it, colour distortion (torchvision
-ColorJitter in a random order, then RandomGrayscale), Gaussian blur, solarisation,
-normalisation (VISSL ImgPilColorDistortion, ImgPilGaussianBlur, ImgPilRandomSolarize,
-Normalize), then random erasing where the group has it (jssl.data.randaugment_device, their keys
-folded from the colour key as the host folds its colour sub-seed).
-
-Each op is the twin of its host op (tests/data/test_device_augment.py checks them equal given
-the same parameters). The random draws are JAX's (threefry keyed by the host's sub-seeds), not
-TensorFlow's, so the two paths agree in distribution, not view for view. Because the key comes
-from the data (never the step's rng or the device index), the views are the same on any number
-of devices and after a resume. The crops are quantised to uint8 between crop and colour (at most
-half a grey level), as PIL pipelines such as VISSL's are between every op.
+With ``data.augment.on_device=True`` (and with grain and the numpy pipeline:
+jssl.data.backend.views_on_device) the host makes only each view's crop and flip, as uint8
+(jssl.data.transforms.host_crops), and hands over the view's colour, blur and solarize
+sub-seeds (jssl.data.transforms.view_seeds, the host path's (seed, epoch, index, crop) key).
+Here the rest of jssl.data.transforms.ssl_view runs in float32 on the devices: RandAugment where
+a group has it, colour distortion (torchvision ColorJitter in a random order, RandomGrayscale),
+blur, solarisation and normalisation (VISSL ImgPilColorDistortion, ImgPilGaussianBlur,
+ImgPilRandomSolarize, Normalize), then random erasing (jssl.data.randaugment_device). Each op is
+its host op's twin (tests/data/test_device_augment.py), but the draws are JAX's, not
+TensorFlow's, so the two paths agree in distribution, not view for view. The key comes from the
+data, never the step's rng or the device, so the views are the same on any device count and
+after a resume. Crops are quantised to uint8 between crop and colour (at most half a grey level).
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """The grain input pipeline (``data.loader="grain"``): image folders, TFDS datasets stored as
 ArrayRecord and the demo data, without TensorFlow.
 
-grain (google/grain) runs the pipeline in ``data.workers`` processes: each makes whole batches
-(decode with Pillow, crop, resize and flip in uint8; jssl.data.pil_images), the batches come
-back in order, and each worker reads the data by index. The order is jssl.data.order's, as on
-tf.data: a seeded permutation of the train split per epoch, process p reading its rows of every
-global batch, so a global batch holds the same examples on any number of processes or devices
-and a resumed run starts at the batch after its checkpoint. A crop is a function of (seed,
-epoch, dataset index, crop number) alone (jssl.data.keyed_crops: the box, the flip and the
-seeds from which the train step makes the rest of the view, jssl.data.device_augment), so the
-views are those of the numpy demo pipeline and of tf.data with data.augment.on_device, up to
-the resize's rounding. Where no crop group needs more than crop and flip, the host finishes
-the views (normalised float32).
-
-The train engine reads one grain iterator for the whole run (``run_batches``), so the worker
-processes start once, not every epoch; evaluation splits are read in threads of this process
-(Pillow releases the GIL), exactly once, padded to static batches with the mask. An
-unreadable image fails naming it, or with data.skip_corrupt=True is replaced by the next
-readable example of this process's stream (wrapping at its end), the row flagged "replaced",
-as on tf.data.
+grain (google/grain) runs it in ``data.workers`` processes, each making whole batches by index
+(decode with Pillow, crop, resize and flip in uint8: jssl.data.pil_images) in jssl.data.order's
+order, so it keeps tf.data's promises: a global batch holds the same examples on any number of
+processes or devices, a resumed run starts at the batch after its checkpoint, and an unreadable
+image fails naming it or (data.skip_corrupt=True) is replaced as on tf.data. A crop is a
+function of (seed, epoch, dataset index, crop number) alone (jssl.data.keyed_crops), so the
+views are those of the numpy pipeline and of tf.data with data.augment.on_device, up to the
+resize's rounding; the train step makes the rest of each view (jssl.data.device_augment) unless
+no group needs more than crop and flip. The train engine reads one iterator for the whole run
+(``run_batches``), so the workers start once; evaluation splits are read in threads, each
+example once, padded with the mask. More: docs/operations.md, "Data".
 """
 
 from __future__ import annotations

@@ -1,45 +1,17 @@
 """The training order of jssl.data: which example goes in which row, and what replaces one
 that cannot be read.
 
-jssl.data.pipeline reads and decodes the examples; this module decides which ones, from
-(seed, epoch, process index and count) alone, so a resumed run replays exactly the remaining
-batches. The numpy functions give the order; the tf.data ones (with_gaps, replace_unreadable)
-keep stream positions in their rows when examples turn out unreadable while streaming.
-
-Training order. Each epoch is a seeded permutation of the whole train split (after
-data.train_subset, which keeps the first N), cut into global batches: global batch t is
-epoch_order(...)[t], and process p of P reads rows [p*B/P, (p+1)*B/P) of it, which
-jssl.parallel.host_batch_to_global puts back together in process order. So every host sees a
-fresh mix of every class each epoch, and the examples of global batch t do not depend on how many
-processes or devices share it. This holds exactly where examples can be read in any order:
-
-- image folders (files are random access);
-- TFDS datasets prepared in ArrayRecord files (`tfds build NAME --file_format=array_record`, or
-  the `file_format` argument of a builder): each process reads just its rows, by index, through
-  TFDS's random-access data source (jssl.data.sources.SplitSource.fetch);
-- TFDS with data.cache=True: each process decodes the whole split into memory once and gathers
-  from it (the cache is meant for splits that fit in host memory).
-
-TFDS in TFRecord files (TFDS's default format) without the cache is the one documented exception:
-TFRecord files are read sequentially, and exact global order would make every host read the whole
-split every epoch. Instead the split is cut into 16 contiguous blocks per process, the blocks get a
-seeded order per (seed, epoch), and each process reads its 1/P of that sequence (TFDS split
-slices: whole record files are skipped, only the records before a block within its first file are
-read and dropped), round-robin over its blocks, through the shuffle buffer. What holds: each
-example at most once per epoch, a fresh draw of blocks from the whole split on every host every
-epoch, exact resume, equal step counts. What does not: batch t depends on the process count, and
-mixing is within a host's blocks and the buffer, not a full permutation (prepare the dataset as
-ArrayRecord, use data.cache=True, or an image folder, where that matters; the trainer logs which
-order a run gets).
-
-Unreadable examples (data.skip_corrupt=True) never change the number of batches, so processes stay
-in step: each stream position keeps its row, an unreadable example is replaced by the next
-readable one of this process's stream (at the end of the stream, by its first readable one), and
-the row's "replaced" flag is True so the trainer can count them (the row is a copy of the
-replacing example: its index, label and views). The replacement depends only on the stream, so a
-resumed run replays the same rows; being per process, it is the one thing of the exact order above
-that depends on the process count. (With skip_corrupt=False an unreadable example is an error; see
-jssl.data.pipeline.)
+jssl.data.pipeline reads and decodes the examples; this module decides which ones, from (seed,
+epoch, process index and count) alone, so a resumed run replays exactly the remaining batches.
+Each epoch is a seeded permutation of the train split (after data.train_subset) cut into global
+batches (``epoch_order``); process p of P reads its rows [p*B/P, (p+1)*B/P) of each
+(``process_order``), so global batch t holds the same examples on any number of processes or
+devices. That is exact where examples are read by index (image folders, TFDS in ArrayRecord
+files, TFDS with data.cache=True); TFDS in TFRecord files without the cache is read in seeded
+blocks instead, with weaker promises (``stream_block_ranges``). With data.skip_corrupt=True an
+unreadable example is replaced by the next readable one of this process's stream and flagged
+"replaced", so the number of batches never changes (``replace_unreadable``); the tf.data helpers
+keep stream positions in their rows for that. More: docs/operations.md, "Data".
 """
 
 from __future__ import annotations
@@ -118,6 +90,13 @@ def stream_block_ranges(
     put in a seeded order per (seed, epoch) and concatenated, and process p reads positions
     [p * stream_size, (p + 1) * stream_size) of that concatenation: a fresh draw of blocks from
     all over the split every epoch, each example at most once per epoch.
+
+    TFRecord files are read sequentially, and the exact global order would make every host read
+    the whole split every epoch. This keeps exact resume and equal step counts, but global batch
+    t depends on the process count, and examples mix within a process's blocks and the shuffle
+    buffer, not in a full permutation: prepare the dataset as ArrayRecord, set data.cache=True or
+    use an image folder where that matters (the trainer logs which order a run gets). Each
+    range is read as a TFDS split slice, so whole record files before it are skipped.
     """
     num_blocks = max(1, min(num, _BLOCKS_PER_PROCESS * process_count))
     blocks = [shard_bounds(num, num_blocks, b) for b in range(num_blocks)]
@@ -204,7 +183,8 @@ def replace_unreadable(
     that arrives after the hole), flagged replaced=True; holes at the very end wrap around to the
     first readable record of the whole stream (`restart`: the stream from position 0, decoded,
     errors dropped), which is only read then. So the rows depend on the stream alone, not on
-    where a resumed run starts.
+    where a resumed run starts; being per process, the replacement is the one part of the
+    order that depends on the process count.
     """
     import tensorflow as tf
 

@@ -1,23 +1,17 @@
 """Host-local tf.data pipelines for SSL training and for evaluation / feature extraction.
 
 jssl.data.loader calls this module for every source where TensorFlow is installed (and for
-data.loader="tf"); the built-in demo data has a numpy twin, jssl.data.numpy_pipeline, with the
-same batch layout and, where this order is exact (data.cache=True, as the demo presets set), the
-same order.
-
-Determinism is the design constraint: the views of an example are a function of (seed, epoch,
-index) alone, and a training epoch's batches of (seed, epoch, process index and count, start_step),
-so resuming mid-epoch replays exactly the remaining batches. Randomness therefore never comes from
-stateful TF ops: orders are numpy permutations seeded per (seed, epoch), augmentations use
-stateless ops seeded per example (the per-example-rng idea of clu.deterministic_data, keyed on the
-dataset index instead of the position in the stream), and tf.data runs with deterministic=True.
-
-Which example goes in which row of which batch, what holds for each source (exact global order
-for image folders, ArrayRecord and cached TFDS; seeded blocks for uncached TFRecord TFDS) and what
-replaces an unreadable example is jssl.data.order's topic, documented there; this module reads,
-decodes and augments the examples in that order. With data.skip_corrupt=False an unreadable image
-fails, naming the file (folders) or the example (ArrayRecord TFDS) or the indices (cached TFDS);
-streamed TFRecord TFDS raises the decoder's error.
+data.loader="tf"); the demo data has a numpy twin, jssl.data.numpy_pipeline, with the same
+batch layout and, where this order is exact (data.cache=True, as the demo presets set), the same
+order. Determinism is the design constraint: the views of an example are a function of (seed,
+epoch, index) alone, and an epoch's batches of (seed, epoch, process index and count,
+start_step), so a resumed run replays exactly the remaining batches. Randomness never comes from
+stateful TF ops: orders are numpy permutations (jssl.data.order, which also says what holds for
+each source and what replaces an unreadable example), augmentations stateless ops seeded per
+example (clu.deterministic_data's per-example rng, keyed on the dataset index instead of the
+stream position), and tf.data runs with deterministic=True. With data.skip_corrupt=False an
+unreadable image fails naming the file (folders), the example (ArrayRecord TFDS) or the indices
+(cached TFDS); streamed TFRecord TFDS raises the decoder's error.
 """
 
 from __future__ import annotations

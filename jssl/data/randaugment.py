@@ -2,22 +2,15 @@
 
 MAE, BEiT and DeiT fine-tune with timm's ``--aa rand-m9-mstd0.5-inc1 --reprob 0.25 --remode
 pixel --recount 1``: RandAugment (Cubuk et al. 2020) after the crop and flip, two layers per
-image, each picking one of the 15 ops of jssl.data.crops.RANDAUGMENT_OPS and applying it with
-probability 0.5 at a magnitude drawn from N(9, 0.5) clipped to [0, 10]; then, after
-normalisation, random erasing (Zhong et al. 2020) of one box with per-pixel N(0, 1) noise.
-This module draws the layers and applies them; the ops are in jssl.data.randaugment_ops, random
-erasing in jssl.data.erasing (re-exported here, with OPS). Levels follow
-timm/data/auto_augment.py (``_RAND_INCREASING_TRANSFORMS``, the ``*_level_to_arg`` functions).
-
-jssl.data.randaugment_device is the JAX twin (with data.augment.on_device and the numpy
-pipeline); tests/data/test_randaugment.py checks the two equal. The draws are stateless, keyed
-by the view's seed (jssl.data.transforms.ssl_view).
-
-Deliberate differences from timm (PIL on uint8; docs/operations.md, Data): the image stays
-float between ops (PIL rounds to uint8 after each); the ops' own differences (256-level lookup
-tables, bilinear resampling) are listed in jssl.data.randaugment_ops; timm drops its colour
-jitter when RandAugment is on, here the colour ops keep their probabilities (a fine-tuning
-preset sets them to 0).
+image, each one of the 15 ops of jssl.data.crops.RANDAUGMENT_OPS with probability 0.5 at a
+magnitude from N(9, 0.5) clipped to [0, 10]; then, after normalisation, random erasing (Zhong
+et al. 2020) of one box with per-pixel N(0, 1) noise. This module draws the layers (stateless,
+keyed by the view's seed, jssl.data.transforms.ssl_view); the ops are in
+jssl.data.randaugment_ops, random erasing in jssl.data.erasing (both re-exported), the levels
+timm/data/auto_augment.py's (``_RAND_INCREASING_TRANSFORMS``, ``*_level_to_arg``). The JAX twin
+is jssl.data.randaugment_device. Deliberately unlike timm (PIL on uint8): the image stays float
+between ops, and the colour ops keep their probabilities where timm drops its colour jitter (a
+fine-tuning preset sets them to 0); the ops' own differences: jssl.data.randaugment_ops.
 """
 
 from __future__ import annotations

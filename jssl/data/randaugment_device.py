@@ -1,18 +1,15 @@
 """RandAugment and random erasing in JAX, inside the train step: the twins of jssl.data.randaugment.
 
-With data.augment.on_device (and with the numpy pipeline) jssl.data.device_augment makes the
-views on the accelerator; these are its RandAugment (after the crop and flip, before the colour
-ops) and random erasing (after normalisation; jssl.data.erasing_device, re-exported here). Each
-op (jssl.data.randaugment_ops_device, OPS re-exported here) is the twin of the tf.data op of the
-same name given the same argument (tests/data/test_randaugment.py checks them equal), and the
-draws follow the same distributions, from JAX keys made of the view's colour sub-seed (the host
-folds its own colour sub-seed with the same streams, jssl.data.crops.RANDAUGMENT_STREAM and
-ERASING_STREAM), so the two paths agree in distribution, not view for view.
-
-Vectorised over the crops of a batch, a data-dependent op choice costs every candidate op, so a
-layer computes each kind once (apply_layer): one affine resampling with the drawn op's matrix
-(rotate, shear, translate), one lookup table (auto_contrast ... solarize_add), one blend with
-the drawn op's degenerate image (color, contrast, brightness, sharpness), then selects.
+jssl.data.device_augment makes the views on the accelerator (data.augment.on_device, grain, the
+numpy pipeline); these are its RandAugment (after the crop and flip, before the colour ops) and
+random erasing (after normalisation; jssl.data.erasing_device, re-exported). Each op
+(jssl.data.randaugment_ops_device, OPS re-exported) is the twin of the tf.data op of its name
+given the same argument (tests/data/test_randaugment.py checks them equal), and the draws follow
+the same distributions from JAX keys of the view's colour sub-seed (the streams
+jssl.data.crops.RANDAUGMENT_STREAM and ERASING_STREAM, as the host folds its own), so the two
+paths agree in distribution, not view for view. Vectorised over a batch's crops, a
+data-dependent op choice costs every candidate op, so a layer computes each kind once
+(``apply_layer``: one affine resampling, one lookup table, one blend), then selects.
 References, levels and the deliberate differences from timm: jssl.data.randaugment.
 """
 

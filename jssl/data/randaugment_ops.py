@@ -3,15 +3,13 @@
 Every op takes a float32 (H, W, 3) image in [0, 1], its argument (timm's level_to_arg,
 jssl.data.randaugment.op_arguments) and the fill colour, and is a pure function of them; OPS
 lists them in jssl.data.crops.RANDAUGMENT_OPS's order. They follow the PIL calls of
-timm/data/auto_augment.py: ImageOps (auto_contrast, equalize, invert, posterize, solarize; timm's
-own solarize_add), ImageEnhance (color, contrast, brightness, sharpness) and Image.transform with
-timm's affine maps (rotate, shear, translate), with the ``img_mean`` fill.
-jssl.data.randaugment_ops_device has each op's JAX twin; tests/data/test_randaugment.py checks
-them equal, and equal to PIL's.
-
-Deliberate differences from PIL on uint8 (docs/operations.md, Data): the lookup-table ops
+timm/data/auto_augment.py: ImageOps (auto_contrast, equalize, invert, posterize, solarize;
+timm's own solarize_add), ImageEnhance (color, contrast, brightness, sharpness) and
+Image.transform with timm's affine maps (rotate, shear, translate), filled with ``img_mean``.
+jssl.data.randaugment_ops_device holds the JAX twins; tests/data/test_randaugment.py checks
+them equal, and equal to PIL's. Deliberately unlike PIL on uint8: the lookup-table ops
 (auto_contrast ... solarize_add) quantise the float image to 256 levels first, as PIL's ops are
-defined, and return floats; rotations, shears and translations resample bilinearly
+defined, and return floats; the affine ops resample bilinearly
 (tf.raw_ops.ImageProjectiveTransformV3 has no bicubic, the MAE/DeiT recipes' PIL interpolation).
 """
 

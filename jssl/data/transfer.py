@@ -2,23 +2,16 @@
 dataset and evaluator from this table), and how a TFDS example with VOC's per-image labels
 becomes VISSL's multi-label target.
 
-Each ``TransferDataset`` names the TFDS builder (with its config where it has several), the
-splits a linear head or kNN bank is trained on and the split it is tested on, the classes, the
-label feature and image key read, the whole TFDS splits' sizes (from the TFDS catalog, for the
-docs and the tests' mocked metadata) and why the splits are the ones chosen. Split names and
-class counts were read from the builders installed with tensorflow-datasets 4.9.10; the
-choices follow VISSL's transfer benchmarks (``configs/config/benchmark/
+Each ``TransferDataset`` names the TFDS builder, the splits trained and tested on, the classes,
+the label feature and image key, the whole splits' sizes (from the TFDS catalog) and why those
+splits. Split names and class counts were read from the builders of tensorflow-datasets 4.9.10;
+the choices follow VISSL's transfer benchmarks (``configs/config/benchmark/
 linear_image_classification/<dataset>/``, ``extra_scripts/datasets/create_*_data_files.py``)
 and, where a dataset has no test split, VTAB's slicing (google-research/task_adaptation
-``task_adaptation/data/{eurosat,resisc45}.py``: train[:80%] to train, train[80%:] to test).
-
-VOC07 (``voc/2007``) is multi-label. Its TFDS examples carry ``labels`` (the classes of all
-objects) and ``labels_no_difficult`` (of the objects not marked difficult), and no ``label``;
-VISSL's targets (``extra_scripts/datasets/create_voc_data_files.py``, from the devkit's
-``<class>_<set>.txt``) are per image and class 1 (a non-difficult object of the class), -1
-(only difficult ones: a negative in training, ignored by the test AP) and 0 (none), which is
-``multi_label_targets`` of those two features. jssl.data.sources reads any TFDS builder with
-these two features and no ``label`` this way (``multi_label_classes``).
+``task_adaptation/data/{eurosat,resisc45}.py``). VOC07's targets are VISSL's
+(``create_voc_data_files.py``): per image and class 1 (a non-difficult object), -1 (only
+difficult ones) and 0 (none), ``multi_label_targets`` of TFDS's ``labels`` and
+``labels_no_difficult``. More: docs/evaluation.md, "Transfer benchmarks".
 """
 
 from __future__ import annotations
