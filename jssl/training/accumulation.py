@@ -1,26 +1,17 @@
 """Exact gradient accumulation: the method's loss over the whole batch, its memory per
 micro-batch (``optim.accumulation_steps``).
 
-Rescaling the learning rate over micro-batch losses changes a method whose loss couples the
-examples of a batch (a contrastive loss over a quarter of the batch sees a quarter of the
-negatives; DINO's centre, SwAV's Sinkhorn, Barlow Twins' and VICReg's statistics see a quarter
-of the batch). This composes the method's forward and objective the other way round, as the
+Averaging micro-batch losses changes a method whose loss couples the examples of a batch (its
+negatives, DINO's centre, SwAV's Sinkhorn, Barlow Twins' and VICReg's statistics would see a
+fraction of it). This composes the method's forward and objective the other way round, as the
 "gradient cache" does (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under
-Memory Limited Setup"):
-
-1. every micro-batch is embedded with the forward, keeping no activations (``lax.map``);
-2. the objective runs once on the embeddings of the whole local batch (so across devices on
-   the whole global batch), and gives the loss and its gradient with respect to them (and to
-   the parameters it applies itself, DINO's last layer: the sum starts from that gradient);
-3. each micro-batch is forwarded again and back-propagated with its slice of that gradient
-   (``lax.scan``: one micro-batch's activations at a time), and the parameter gradients add up.
-
-The loss, the metrics, the carry for ``after_update`` (keys to enqueue, DINO's centre) and the
-gradient are those of one pass over the whole batch; the cost is one extra forward. Batch
-norm in train mode normalises each micro-batch on its own, as any accumulation does; its new
-running statistics (and a teacher's, in the forward's carry) are the mean of the
-micro-batches'. Randomness drawn per row of the batch (DINO's ViT drop path) is drawn per row
-of the micro-batch. See docs/operations.md.
+Memory Limited Setup"): every micro-batch is embedded keeping no activations (``lax.map``); the
+objective runs once on the whole batch's embeddings and gives the loss and its gradient with
+respect to them (and to the parameters it applies itself, DINO's last layer); then each
+micro-batch is forwarded again and back-propagated with its slice of that gradient
+(``lax.scan``). Loss, metrics, the ``after_update`` carry and gradient are one pass's; the cost
+is one extra forward. Batch norm in train mode normalises each micro-batch on its own. More:
+docs/operations.md, "Batches larger than the devices hold".
 """
 
 from __future__ import annotations
@@ -50,7 +41,11 @@ def value_and_grad(
     method: Method, params: Any, state: Any, batch: dict, rng: jax.Array, steps: int
 ) -> tuple[tuple[jax.Array, LossOutput], Any]:
     """``((loss, LossOutput), grads)`` of ``methods.loss(method, params, ...)`` over ``batch``
-    (this replica's examples), computed over ``steps`` micro-batches of its rows in order."""
+    (this replica's examples), computed over ``steps`` micro-batches of its rows in order.
+
+    The new batch statistics and the forward's carry (a teacher's statistics) are the mean of
+    the micro-batches'. Per-example draws (drop path, masks) are keyed by the example's index
+    (``jssl.methods.common.example_keys``), so they are the same in any micro-batch."""
     n = batch["crops"][0].shape[0]
     if n % steps:
         raise ValueError(

@@ -1,33 +1,17 @@
 """Collapse statistics of a training run, and the alarm that acts on them (``config.monitor``).
 
-A self-supervised run can collapse while its loss looks fine: every image mapped to one vector
-(complete collapse), to a low-dimensional subspace (dimensional collapse), or, for methods
-that output distributions, to a uniform or a one-hot output. The train step computes, on the
-global batch at log steps only (:func:`step_statistics`, under ``lax.cond``, so other steps
-pay nothing), for the head output of crop 0 (``LossOutput.embeddings``, absent for DINO whose
-head is out_dim wide) and for the trunk features (``LossOutput.features``):
-
-- ``collapse/<which>_rank``: RankMe (Garrido et al. 2023, Eq. 1), the exponential of the
-  entropy of the singular values normalised to sum 1, plus eps = 1e-7 as the paper: about
-  min(batch, dim) for spread-out embeddings, 1 when every row lies along one direction (the
-  same vector, or +-v as SimSiam's projections behind their batch norm become without the
-  stop-gradient, which the std below does not see).
-- ``collapse/<which>_std``: the per-dimension standard deviation of the L2-normalised rows,
-  averaged over dimensions (SimSiam's monitor, Chen & He 2021 Sec. 4.1 Fig. 2): 1/sqrt(dim)
-  when healthy, 0 when collapsed. The same function as SimSiam's ``output_std`` and BYOL's
-  ``target_std`` (``jssl.losses._util._embedding_std``), there on both views' projections.
-
-Methods with output distributions report, every step, their entropies as fractions of log K
-(K outputs): DINO's teacher (``collapse/teacher_entropy``, the mean per-image entropy, 1 for
-DINO's uniform collapse; ``collapse/teacher_mean_entropy``, the entropy of the batch's mean
-distribution, 0 when one dimension dominates: Caron et al. 2021 Sec. 5.3) and SwAV's predicted
-assignments (``collapse/assignment_entropy``, ``collapse/assignment_mean_entropy``, from
-``jssl.methods.swav.entropy_fractions``).
-
-:class:`Alarm` reads them at every log step: a statistic past its threshold for
-``monitor.patience`` log steps in a row is warned about (``warn``) or stops the run after a
-checkpoint (``stop``, ``CollapseError``), as the train engine does for a non-finite loss
-(jssl.training.finite). Thresholds and measurements: docs/operations.md.
+A self-supervised run can collapse while its loss looks fine: every image mapped to one vector,
+to a low-dimensional subspace, or, for methods that output distributions, to a uniform or a
+one-hot output. The train step computes on the global batch, at log steps only
+(:func:`step_statistics` under ``lax.cond``, so other steps pay nothing), for the head output of
+crop 0 (none for DINO, whose head output is out_dim wide) and the trunk features: RankMe
+(Garrido et al. 2023, Eq. 1; :func:`rankme`) and the std of the L2-normalised rows (SimSiam's
+monitor, Chen & He 2021 Fig. 2; :func:`normalized_std`). Both are watched: SimSiam's
+projections without the stop-gradient become +-v per image, which drops RankMe to 1 and leaves
+the std at half its healthy value. The methods' entropies (DINO's teacher, SwAV's assignments,
+as fractions of log K) come every step. :class:`Alarm` warns, or saves and stops
+(``CollapseError``), when one stays past its bound for ``monitor.patience`` log steps.
+Statistics, bounds and what they read on the demos: docs/operations.md, "Collapse alarms".
 """
 
 from __future__ import annotations
@@ -71,7 +55,9 @@ def rankme(x: jax.Array, eps: float = RANKME_EPS) -> jax.Array:
 
 
 def normalized_std(x: jax.Array) -> jax.Array:
-    """The mean over dimensions of the standard deviation of the L2-normalised rows of ``x``."""
+    """The mean over dimensions of the standard deviation of the L2-normalised rows of ``x``:
+    about 1/sqrt(dim) when healthy, 0 when collapsed. SimSiam's ``output_std`` and BYOL's
+    ``target_std`` are the same function on both views' projections."""
     return _embedding_std(x.reshape(x.shape[0], -1), None)
 
 

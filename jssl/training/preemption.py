@@ -1,22 +1,16 @@
 """Stop requests for long runs (SIGTERM, a first Ctrl-C): save once, on every process, at the
-same step, then exit with a status that says "stopped, rerun to resume".
+same step, then exit with a status that says "stopped, rerun to resume" (75).
 
-A scheduler delivers SIGTERM to the processes of a multi-host run at different moments. If
-each process acted on its own flag, one could enter a checkpoint save (a collective) while
-another enters the next train step (another collective), and both would hang. So the flag
-only ever travels through the train step: each process feeds its own flag into the step
-(``jssl.training.step.stop_flags``), the step returns its maximum over all devices as
-``metrics["stop"]``, and the loop acts on that agreed value alone. The loop reads the flag
-of the step before the one it just dispatched, so the check costs no extra host sync.
-
-Ctrl-C (SIGINT) is the same request made by hand: the first one stops the run as SIGTERM
-does, with a checkpoint; a second one means "stop now" and raises KeyboardInterrupt at once
-(the step being saved is then lost; the checkpoints before it stay).
-
-Engines run by another engine (the evaluate engine's evaluators, the train engine's ``evals``)
-enter their own ``Preemption`` inside the caller's: a request made before the inner one
-starts is already set in it, and one made while it runs is handed back to the caller when it
-ends, so both stop.
+A scheduler delivers SIGTERM to the processes of a multi-host run at different moments; if each
+acted on its own flag, one could enter a checkpoint save (a collective) while another enters
+the next train step (another collective), and both would hang. So in training the flag travels
+through the step: each process feeds its own in (``jssl.training.step.stop_flags``), the step
+returns their maximum over all devices as ``metrics["stop"]``, and the loop acts on that agreed
+value alone, read one step late so that the check costs no extra host sync. Loops with no step
+agree through one collective (``agreed``); engines with nothing to save stop where they are
+(``stop_at_once``). A second Ctrl-C stops at once, without saving. An engine run by another
+(evaluators of the evaluate engine or of training) enters its own ``Preemption`` inside the
+caller's, and a request reaches both. More: docs/operations.md, "Preemption and exit codes".
 """
 
 from __future__ import annotations
