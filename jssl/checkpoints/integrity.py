@@ -1,19 +1,16 @@
 """What a checkpoint that fails to restore is: damaged, on a storage that failed, or whole.
 
-The resume (``manager.restore_or_none``) falls back to an older checkpoint only past damaged
-ones, and it decides that by the files, not by the error: a checkpoint is damaged when it
-does not read back whole on its own (``find_damage``: its metadata, then every array of its
-state with that metadata as the target). Error texts are only used the other way round, to
-recognise a read that failed for a reason a retry of the same read can fix
-(``storage_error``): an OS error other than a missing file (EIO, EACCES, ESTALE ...; what
-tensorstore reports as ``[OS error: ...]``) or one of the status codes that mean "try again"
-or "not allowed". Those stop the run and touch nothing.
-
-Tensorstore's own damage reports (a corrupt zstd frame is ``FAILED_PRECONDITION``, as is an
-``EIO``; a deleted ``_METADATA`` surfaces as a pytree structure error of the target) are too
-varied to list one by one, hence the read-back. ``diagnose`` gives the verdict on one
-checkpoint, ``agree`` makes every process act on the same one, and ``quiet_abandoned_reads``
-keeps the tracebacks of the reads that orbax abandons after a failure out of the log.
+The resume (``manager.restore_or_none``) and the weight import fall back to an older checkpoint
+only past damaged ones. ``diagnose`` gives the verdict on one: a storage error that a retry of
+the same read can fix (``storage_error``: an OS error other than a missing file, tensorstore's
+``[OS error: ...]``, a "try again" or "not allowed" status), which stops the run and touches
+nothing; damage that the error names plainly (``is_corrupt``: unparsable metadata, a missing
+file, tensorstore's data-loss statuses); else what reading the files back finds
+(``find_damage``: the metadata, then every array with it as the target), because tensorstore's
+other damage reports (a corrupt zstd frame is ``FAILED_PRECONDITION``, as is an ``EIO``) are
+too varied to list. ``agree`` makes every process act on the same verdict, and
+``quiet_abandoned_reads`` keeps the tracebacks of the reads that orbax abandons after a failure
+out of the log.
 """
 
 from __future__ import annotations

@@ -2,28 +2,16 @@
 
 Layout: ``workdir/checkpoints/<step>/{state,data}``. orbax writes each step to a temporary
 directory and renames it when complete, so a process killed mid-save leaves the previous
-checkpoints as they were and the partial one is never picked up. The resume order is
-written down once, in ``restore_or_none``: the newest readable checkpoint in the workdir,
-older ones only past checkpoints whose files are damaged (jssl.checkpoints.integrity: they
-do not read back whole on their own), else nothing (the caller then starts from ``init``
-weights or from scratch).
-
-A save that cannot be written stops the run at once with a ``CheckpointError`` naming the
-path and the OS error, and never hangs (``save``, ``check_for_errors``, ``finish``):
-
-* The directory is probed with a real write before every save (``check_writable``), so a
-  read-only or full disk is caught before orbax starts any background work.
-* orbax 0.12.8 creates the step directory in a background thread by default; the threads
-  writing the items wait for a "directory created" signal with a 300 s timeout
-  (``orbax/checkpoint/_src/futures/future.py`` ``_SignalingThread``, timeout from
-  ``multihost.coordination_timeout``). When the creation fails, the signal never comes and
-  those non-daemon threads keep the process alive for 5 minutes after the error. We make
-  orbax create the directories in the blocking part of ``save``
-  (``AsyncOptions(create_directories_asynchronously=False)``): a failure then raises from
-  ``save`` itself and no thread is left waiting; only the array writes stay asynchronous.
-
-An error that ends the run while a save is in flight waits for that save first
-(``closing``), so the error does not cost the checkpoint too.
+checkpoints as they were and the partial one is never picked up. The resume order is written
+down once, in ``restore_or_none``: the newest readable checkpoint in the workdir, older ones
+only past checkpoints whose files are damaged (jssl.checkpoints.integrity; those are renamed
+aside), else nothing (the caller then starts from ``init`` weights or from scratch). A save
+that cannot be written stops the run at once with a ``CheckpointError`` naming the path and the
+OS error, and never hangs: the directory is probed with a real write before every save
+(``check_writable``), and orbax creates the step directories in the blocking part of ``save``,
+not in a background thread that would wait 300 s for a signal that never comes
+(``make_manager``). An error that ends the run while a save is in flight waits for that save
+first (``closing``). More: docs/operations.md, "Checkpoints".
 """
 
 from __future__ import annotations
@@ -115,7 +103,14 @@ def _orbax_max_to_keep(max_to_keep: int) -> int | None:
 
 
 def make_manager(workdir: str, *, max_to_keep: int, async_save: bool) -> ocp.CheckpointManager:
-    """The orbax manager of ``workdir/checkpoints``; ``max_to_keep=0`` keeps every step."""
+    """The orbax manager of ``workdir/checkpoints``; ``max_to_keep=0`` keeps every step.
+
+    orbax 0.12.8 creates a step's directory in a background thread by default, and the threads
+    writing its items wait for a "directory created" signal with a 300 s timeout
+    (``orbax/checkpoint/_src/futures/future.py`` ``_SignalingThread``, from
+    ``multihost.coordination_timeout``): when the creation fails, those non-daemon threads keep
+    the process alive for 5 minutes after the error. Created in the blocking part of ``save``
+    instead, a failure raises from ``save`` itself; only the array writes stay asynchronous."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=_orbax_max_to_keep(max_to_keep),
         create=True,

@@ -1,29 +1,17 @@
 """Loading trained weights for evaluation and initialisation: the one place that reads them.
 
-Sources (``init.checkpoint``):
-
-- a jssl workdir (its newest readable checkpoint), its ``checkpoints`` directory, or one step
-  directory ``workdir/checkpoints/<step>``: only ``params`` and ``batch_stats`` of the saved
-  TrainState are read (orbax partial restore), so the optimizer, the momentum encoder and
-  the queue are never loaded and the optimizer config does not have to match;
-- a PyTorch ResNet (VISSL ``.torch``, torchvision / MoCo ``.pth``) or ViT file (timm, DINO,
-  MoCo v3, DINOv2), or ``.safetensors`` of either: the trunk only, the head stays random.
-
-Three users:
-
-- ``load_variables(path, config)``: ``{"params", "batch_stats"}`` of the online model for the
-  evaluation engines; every array of its parts must fit the configured model, but for a
-  training-only leaf it lacks (``TRAINING_ONLY``: the mask token, left out). With
-  ``trunk_only=True`` (unless a ``head`` layer is asked for) only the trunk is read, so any
-  method's workdir can be evaluated with the MoCo-based evaluation presets and the trunk's
-  model fields.
-- ``checkpoints.warm_start.init_train_state(config, state)``: a fresh TrainState started from
-  those weights when the train engine's workdir has nothing to resume (through ``read_newest``,
-  ``saved_shapes``, ``read_arrays`` and ``read_torch``).
-- ``read_state_fields``: the whole state but the optimizer, for the test-loss evaluator.
-
-From a workdir, an incomplete or corrupt checkpoint (the resume's verdict) is skipped, loudly,
-for the next older one; an explicit step dir is never replaced. Other read errors propagate.
+Sources (``init.checkpoint``): a jssl workdir (its newest readable checkpoint), its
+``checkpoints`` directory or one step directory ``checkpoints/<step>``, of which only the parts
+asked for are read (orbax partial restore: the optimizer config need not match); or a PyTorch
+ResNet (VISSL ``.torch``, torchvision / MoCo ``.pth``) or ViT (timm, DINO, MoCo v3, DINOv2)
+file, or ``.safetensors`` of either: the trunk only. The users: ``load_variables``, the online
+model's ``{"params", "batch_stats"}`` for the evaluation engines (through
+jssl.evaluation.frozen; with ``trunk_only`` the trunk alone, so any method's workdir
+evaluates); ``checkpoints.warm_start.init_train_state``, a fresh TrainState started from those
+weights (through ``read_newest``, ``saved_shapes``, ``read_arrays`` and ``read_torch``); and
+``read_state_fields``, the whole state but the optimizer, for the test loss. From a workdir an
+incomplete or corrupt checkpoint (``integrity``'s verdict) is skipped, loudly, for the next
+older one; an explicit step dir is never replaced. Other read errors propagate.
 """
 
 from __future__ import annotations

@@ -2,17 +2,15 @@
 
 * ``lock``: an exclusive ``fcntl.flock`` on ``workdir/.lock`` for the life of the run, so a
   second launch on the same workdir is refused instead of overwriting the first one's
-  checkpoints. The kernel drops the lock when its process dies (even by SIGKILL), so a
-  crashed run never leaves a stale lock behind; the pid/host/start time written into the
-  file only serve the error message. (flock works across hosts on NFS v4 and Lustre with
-  flock enabled; on a file system without it the lock covers one host only.)
-* ``open_run``: the lock, then the config check of jssl.checkpoints.run_config (the first
-  config of a workdir kept in ``workdir/config.json``, a later launch's changes recorded or
-  refused). It removes the config.json it wrote when that first launch fails before its first
-  checkpoint, so a corrected rerun is not refused as a change of a run that never started.
-* ``make_workdir``: a ``--workdir`` that is a file, or that cannot be created, is refused
-  with a message saying so, and so is an existing directory that holds files but none of a
-  jssl workdir's own (``OWN_NAMES``), so that a run never writes beside a user's files.
+  checkpoints. The kernel drops the lock when its process dies (even by SIGKILL), so a crashed
+  run never leaves a stale lock; the pid and host written into the file only serve the
+  messages. (flock works across hosts on NFS v4 and Lustre with flock enabled; on a file system
+  without it the lock covers one host only.)
+* ``open_run``: the lock, then jssl.checkpoints.run_config's check of the config; the
+  config.json that a first launch wrote is removed when it fails before its first checkpoint,
+  so a corrected rerun is not refused as a change of a run that never started.
+* ``make_workdir``: a ``--workdir`` that is a file or cannot be created is refused, and so is a
+  directory that holds files but none of a jssl workdir's own (``OWN_NAMES``).
 """
 
 from __future__ import annotations
