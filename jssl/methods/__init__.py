@@ -1,56 +1,17 @@
 """SSL methods: the contract every method meets, and the registry ``METHODS``.
 
 A method is a module ``jssl.methods.<name>`` exposing ``make(config, steps_per_epoch) ->
-Method``, its loss terms (``TERMS``, or ``terms(config)``), optionally ``check_config``, and
-optionally ``make_images(config)`` returning ``images(params, state, batch, rng) -> {name:
-[columns]}``: TensorBoard pictures the train engine draws (jitted, evaluation mode) from the
-first examples of the first training batch at every test phase and at the end of the run, each
-column an (n, H, W, 3) array in the crops' normalised space
-(``jssl.training.summaries.MethodPictures``; MAE shows crop, masked crop, reconstruction).
-A :class:`Method` is pure functions that the one train step calls. ``forward`` and
-``objective`` run per replica inside ``jax.shard_map`` over the ``data`` axis (so they may use
-named collectives) and see the state's parameters whole, even where ``parallel.shard_params``
-splits them; ``after_update`` runs after it on the global arrays, with no collectives:
-
-- ``forward(params, state, batch, rng, train) -> Forward``: every model application (online
-  network, momentum encoder or teacher under stop-gradient, shuffle-BN, predictor).
-- ``objective(embeddings, state, batch, train) -> Objective``: the loss terms, UNWEIGHTED and
-  per example, from the forward's embeddings, the state (queue, centre, step) and the batch
-  without its images (labels). It applies no network but what it reads from ``state.params``,
-  which are the parameters being differentiated (DINO's last layer, 256 -> 65536, runs there,
-  so that exact accumulation keeps each crop's 256-d bottleneck and not its logits), so it
-  runs on any embeddings of the forward's layout (made by hand, or gathered from
-  micro-batches).
-- ``after_update(state, carry) -> state``: EMA teachers, queues, prototype normalisation,
-  elementwise or on whole leaves (XLA partitions it like the state). The carry must be the same
-  on every device: keys gathered over the data axis, statistics averaged over it.
-
-The step weighs the terms once for every method (:func:`loss`: ``config.loss.weights`` and
-ramps, ``common.weighted_loss``) and differentiates ``weighted(objective(forward(params)))``.
-Required outputs are fields without defaults, and :func:`loss` checks shapes at trace time.
-
-Crops. ``batch["crops"]`` holds one array per crop group of ``data.augment`` (jssl.data.crops),
-``(n, crops_g, S_g, S_g, 3)`` per replica; crop numbers run over the groups in order, so SwAV's
-``crops_for_assign=(0, 1)`` are the two large crops of group 0. A method either picks single
-views (``common.views(batch)[c]``: MoCo's query and key) or runs the online network on every
-crop with ``common.forward_crops`` (one trunk pass per resolution, the head on all crops;
-outputs crop-major, ``common.split_crops`` turns them into ``(crops, n, ...)``). Every leaf of
-``Forward.embeddings`` is laid out ``(crops, n, ...)``: the local examples on axis 1. The online
-probe and the test phase read crop 0 (``Forward.features``). In the test phase every crop is
-the centre-cropped eval image, resized to its group's size. A method that needs an epoch length
-(SwAV's queue start) gets ``steps_per_epoch`` from the trainer; one that freezes parameters for
-a while names them in ``Method.frozen_params``.
-
-Loss terms. ``TERMS`` names a method's terms, or, where they depend on the config,
-``terms(config)`` returns them as ``common.LossTerm``s (SwAV's and DINO's terms per crop, the
-supervised method's per output); :func:`loss_terms` gives either form, read by :func:`get`,
-the start-up checks and ``configs/base.py`` ``loss_terms``. A term's weight is
-``config.loss.weights.<term>`` with an optional ramp ``config.loss.ramps.<term>``
-(``common.loss_weights``). A term split per crop is a family of parts
-(``swapped_prediction_crop0``, ``swapped_prediction_crop1``): each part weighs its share of the
-family's mean unless its own weight is set, and the family's weight
-(``loss.weights.swapped_prediction``) multiplies them all, so the default total is the single
-term it replaced.
+Method``, its loss terms (``TERMS``, or ``terms(config)``), optionally ``check_config`` and
+``make_images(config)`` (TensorBoard pictures, ``jssl.training.summaries``). A :class:`Method`
+is pure functions that the one train step calls: ``forward`` (every model application) and
+``objective`` (the UNWEIGHTED loss terms per example, from the forward's embeddings, laid out
+``(crops, n, ...)``, the state and the batch without its images) run per replica under
+``jax.shard_map`` over the ``data`` axis and see the parameters whole; ``after_update`` (EMA
+teachers, queues, centres) runs after the optimizer on the global arrays with no collectives,
+so its carry must be the same on every device. The step weighs the terms once for every
+method (:func:`loss`) and checks the outputs at trace time. Fields: :class:`Forward`,
+:class:`Objective`, :class:`Method`; docs/design.md#extension-points; weights, ramps and
+per-crop term families: docs/operations.md#loss-terms-and-parameter-groups.
 """
 
 from __future__ import annotations

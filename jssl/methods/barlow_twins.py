@@ -3,34 +3,14 @@ Reduction"), as VISSL trains it
 (configs/config/pretrain/barlow_twins/barlow_twins_4node_resnet.yaml,
 vissl/losses/barlow_twins_loss.py).
 
-Per step: both views of every image go through the one online network as one batch (VISSL's
-forward of the concatenated copies): trunk, then the projector (Linear-BN-ReLU twice, then a
-Linear, no biases). The embeddings are standardised per feature over the GLOBAL batch, the
-cross-correlation C of the two views is formed over the global batch, and the loss pulls its
-diagonal to 1 and its off-diagonal entries to 0 (``jssl.losses.barlow_twins_terms``). No
-teacher, no queue, nothing to update after the step.
-
-Loss terms and weights. The terms are unweighted: ``invariance`` = sum_i (1 - C_ii)^2 and
-``redundancy_reduction`` = sum_{i != j} C_ij^2. VISSL's loss is
-``scale_loss * (invariance + lambda_ * redundancy_reduction)`` with scale_loss 0.024 and
-lambda_ 0.0051, so the weights carry both constants: ``loss.weights.invariance`` = scale_loss
-= 0.024 and ``loss.weights.redundancy_reduction`` = scale_loss * lambda_ = 1.224e-4. There are
-no ``method.lambda_`` / ``method.scale_loss`` fields: they would scale the same terms twice.
-A different lambda_ is ``--config.loss.weights.redundancy_reduction=<0.024 * lambda_>``.
-
-Deliberate differences from VISSL:
-- The gradient is the exact gradient of the loss over the global batch. VISSL averages the
-  per-rank cross-correlations with a non-differentiable ``all_reduce`` and DDP then averages
-  the gradients, so its gradient is the exact one divided by the GPU count (32 in its
-  recipe); LARC's trust ratio makes the step size nearly independent of that scale, except
-  for the weight decay's share in the ratio's denominator.
-- Synchronised batch norm spans every device (``model.sync_bn=True``); VISSL's recipe syncs
-  groups of 8 GPUs (SYNC_BN_CONFIG.GROUP_SIZE 8), i.e. statistics over 512 of the 2048 images.
-  The loss's own standardisation spans the global batch in both.
-- ``method.normalize_jointly=False`` offers the paper's code (one BatchNorm1d per view)
-  instead of VISSL's statistics over both views together.
-- In the test phase the padding rows of the last test batch take part in the statistics;
-  the test loss averages the per-example values of real rows (as SimCLR's).
+Per step: both views of every image go through the one online network as one batch (trunk,
+then a bias-free projector); the embeddings are standardised per feature over the global batch
+and their cross-correlation C pulled towards the identity (``jssl.losses.barlow_twins_terms``).
+The terms are unweighted, ``invariance`` = sum_i (1 - C_ii)^2 and ``redundancy_reduction`` =
+sum_{i != j} C_ij^2, so the weights carry both of VISSL's constants: 0.024 (``scale_loss``) and
+0.024 x 0.0051 (x ``lambda_``); a different lambda_ is
+``--config.loss.weights.redundancy_reduction=<0.024 * lambda_>``. Nothing to update after the
+step. Recipe and deliberate differences: docs/methods.md#barlow-twins.
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """BYOL (Grill et al. 2020, "Bootstrap Your Own Latent: A New Approach to Self-Supervised
-Learning"), as VISSL trains it (configs/config/pretrain/byol/byol_8node_resnet.yaml,
-vissl/losses/byol_loss.py, vissl/hooks/byol_hooks.py).
+Learning"): the recipe is the paper's and DeepMind's reference; the step follows VISSL's BYOL
+pull request (#454: vissl/losses/byol_loss.py, vissl/hooks/byol_hooks.py), which VISSL's main
+branch never merged.
 
-Per step: the two views of each image (one crop in each of two crop groups, which differ in
-blur and solarisation) go through the online network, trunk + projector (``params["trunk"]``,
-``params["head"]``) + predictor (``params["predictor"]``, its own subtree as SwAV's
-prototypes), and through the target network, trunk + projector with the EMA parameters
-``ema_params`` / ``ema_batch_stats`` (no predictor: VISSL builds the target from the first head
-only). Each view's prediction regresses onto the other view's target projection,
-``2 - 2 cos``, both directions summed (``jssl.losses.byol_loss``, loss term ``regression``);
-the target gets no gradient. After the optimizer step the target moves towards the online
-trunk and projector, ``xi <- tau xi + (1 - tau) theta``, with ``tau`` cosine from
-``base_momentum`` (0.996) to ``final_momentum`` (1) over ``num_epochs * steps_per_epoch``
-steps (Sec. 3.2; ``common.cosine_momentum``). The update after k optimizer steps uses
-``tau(k)``, the value VISSL's hook uses at iteration k before the forward.
+Per step: both views go through the online network (trunk + projector + predictor,
+``params["predictor"]``) and the target network (trunk + projector with ``ema_params``, in
+train mode), each as one batch of both views; each view's prediction regresses onto the other
+view's target projection, ``2 - 2 cos`` both ways (``jssl.losses.byol_loss``, term
+``regression``). After the optimizer step the target moves towards the online network with
+``tau`` cosine from ``base_momentum`` to 1 (``common.cosine_momentum``); the target's running
+BN statistics follow its own forwards, not the EMA.
 
-The two views of a size go through the trunk as one batch (VISSL's simclr_collator stacks
-them), so train-mode batch norm normalises both views together; the projector and the
-predictor see both views at once too. The target runs in train mode (VISSL's target network
-is a module in training mode): its batch norm uses batch statistics, and its running
-statistics (``ema_batch_stats``, used in evaluation) follow its own forwards, not the EMA.
-
-Deliberate differences from VISSL:
-- The default preset is the paper's recipe: base lr 0.2 per 256 and weight decay 1.5e-6 with
-  biases and BN parameters excluded from both weight decay and the LARS trust ratio, cosine
-  to 0 (VISSL's 300-epoch yaml: 0.3, 1e-6, biases decayed, cosine to 1e-5 of the peak).
-- Per-device batch-norm running statistics (``model.sync_bn=False``) of the online and the
-  target network are averaged over devices after each step; the recipe uses SyncBN.
-- BYOL's reference (JAX) code runs each view through the networks separately, so its BN
-  statistics are per view; VISSL's, followed here, are over both views.
+Recipe and deliberate differences: docs/methods.md#byol.
 """
 
 from __future__ import annotations

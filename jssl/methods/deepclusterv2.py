@@ -3,56 +3,15 @@ Cluster Assignments", Sec. 4 and App. A), as VISSL trains it (vissl/losses/deepc
 vissl/hooks/deepclusterv2_hooks.py, configs/config/pretrain/deepcluster_v2/) and as the SwAV
 repository's main_deepclusterv2.py does.
 
-Per step: every crop goes through the online network (trunk + MLP head, one trunk pass per
-resolution); the embeddings are L2-normalised. For each of ``method.num_clusters`` heads, every
-crop's scores against that head's centroids, divided by ``temperature``, are trained with
-cross-entropy to predict the example's cluster (``jssl.losses.cluster_prediction_loss``),
-averaged over crops and heads: one loss term, ``cluster_prediction``.
+Per step: every crop's normalised embedding is scored against each head's centroids and
+trained with cross-entropy (``temperature``) to predict its example's cluster (one term,
+``cluster_prediction``). A memory bank (``method_state["bank"]``) keeps the ``crops_for_mb``
+embeddings of every training example by dataset index, its rows split over the devices
+(``Method.split_state``). At each epoch's start spherical k-means (``jssl.losses.kmeans``)
+re-clusters the rows written the epoch before, inside the jitted step, so centroids and
+assignments live in the state; the first ``memory_fill_epochs`` only fill the bank.
 
-The memory bank (``method_state["bank"]``, (crops_for_mb, examples, d)): the normalised
-embeddings of the ``crops_for_mb`` crops of every training example, written at the rows of
-``batch["index"]`` after each step (gathered over the data axis: the carry); ``bank_epoch``
-records the epoch each row was written in.
-
-At the start of every epoch, head h runs spherical k-means (``jssl.losses.kmeans``,
-``kmeans_iters`` iterations, ``num_clusters[h]`` clusters) over bank ``h % len(crops_for_mb)``,
-on the rows written during the previous epoch (VISSL's bank holds exactly those), from rows
-drawn with a key of (seed, epoch, head). It runs in the jitted step, in ``after_update`` of the
-epoch's last step (under ``lax.cond`` on ``step % steps_per_epoch == 0``, the bank's last rows
-written first), so the epoch's first step finds the centroids (the prototypes,
-``method_state["centroids"]``) and every example's assignments in the state, as in a
-checkpoint saved between the two; epoch 0's come from ``init``. The prototypes are never
-trained (VISSL keeps them as buffers; the SwAV repository freezes them for 300000 iterations,
-longer than its runs).
-
-The bank's rows are split over the devices (``Method.split_state``; the rows padded to whole
-batches, which every device count divides) and k-means runs where they lie: each device
-assigns its rows and sums them per cluster, XLA adding the sums over the devices (one
-all-reduce of (K, d) per iteration, as VISSL's processes do). Centroids, assignments and the
-rows' epochs are replicated: every device reads its examples' targets.
-
-The first epoch. VISSL and the SwAV repository fill the bank with a forward pass of the random
-network over the whole train split before epoch 0 (``init_memory``), then cluster it. A method
-here sees only the step's batch, so the first ``memory_fill_epochs`` (1) epochs are that pass:
-the optimizer holds every parameter fixed (``Method.frozen_params``) while the bank fills, and
-epoch 1 clusters the random network's embeddings. Until then the bank holds random unit
-vectors, whose clusters epoch 0's loss is logged against (nothing trains on them); with
-``memory_fill_epochs=0`` (the "test" preset) epoch 0 trains towards them, which teaches a
-uniform prediction (docs/methods.md: what the demo measured).
-
-Test phase (``train=False``): an example's target for head h is its nearest centroid by the
-embedding of crop ``h % len(crops_for_mb)`` (the clusters k-means would give it).
-
-Deliberate differences from VISSL:
-- The memory pass is a training epoch with the parameters held fixed (above): a backward pass
-  per step that VISSL's forward-only pass does not take, and the epoch counts in
-  ``num_epochs`` and the learning-rate schedule (its warmup's first epoch).
-- The bank is one array indexed by dataset index, its rows split over the devices (VISSL: a
-  local bank per process, positional, with the rows' indices). The rows not written last epoch
-  (the dropped remainder) are left out of k-means and get no target (assignment -1), as in
-  VISSL; their term is 0 and the loss stays the mean over all rows of the batch (VISSL's
-  ``ignore_index`` mean is over the rows with a target: 0.25% apart on ImageNet at 4096).
-- Initial centroids come from the whole bank (VISSL: rank 0's local bank).
+Recipes, the first epoch and deliberate differences: docs/methods.md#deepcluster-v2.
 """
 
 from __future__ import annotations

@@ -1,72 +1,16 @@
 """DINO (Caron et al. 2021, "Emerging Properties in Self-Supervised Vision Transformers"), as
 VISSL trains it (vissl/losses/dino_loss.py, vissl/hooks/dino_hooks.py,
-vissl/hooks/hook_utils.py ``MomentumTeacherInLossHook``, vissl/models/heads/dino_head.py,
-configs/config/pretrain/dino/*.yaml) and as the DINO repository trains a ResNet-50
-(main_dino.py, its README's ResNet-50 command).
+vissl/models/heads/dino_head.py, configs/config/pretrain/dino/*.yaml) and as the DINO
+repository trains a ResNet-50 (main_dino.py, its README's ResNet-50 command).
 
-Per step: the student (trunk + ``DINOHead``) runs on every crop (crop groups, e.g. 2x224 +
-8x96; one trunk pass per resolution, the head on all crops); the teacher, an EMA of the
-student with the same architecture, runs on the first ``method.teacher_crops`` crops only
-(the global crops, VISSL ``crops_for_teacher: [0, 1]``), without gradient. The loss
-(``jssl.losses.dino_teacher_crop_losses``) is the cross-entropy between the teacher's centred,
-sharpened distribution and the student's, averaged over every (teacher crop, student crop)
-pair of different crops.
-
-Loss terms (``terms``): one per teacher crop, ``cross_entropy_crop<t>``, the cross-entropy of
-teacher crop t's distribution against the student's of every other crop (VISSL dino_loss.py's
-inner loop for one teacher crop), each weighing 1 / teacher_crops by default, so their sum is
-the mean over all pairs (``loss.weights.cross_entropy`` scales them all; TensorBoard and the
-test phase keep ``cross_entropy``, that mean). Split per teacher crop rather than per student
-crop because (1) the teacher crop is the target, as SwAV's assignment crop is, so both
-multi-crop methods weigh "which view's target drives learning" the same way, and VISSL's and
-DINO's loops run over teacher crops outermost; (2) the global crops differ (blur 1.0 vs 0.1,
-solarisation only on the second: ``num_crops=(1, 1, N)``), so weighing the target from the
-clean or from the solarised view is a real choice, while weighing one local crop against
-another is not (they are exchangeable); (3) their number, ``method.teacher_crops``, is known
-when the config is written, so each term gets its own ``--config.loss.weights.<term>`` field,
-while the student crops change with every ``data.augment.num_crops``. Weighing local crops
-against global ones (per student crop) is not offered. The default total (two teacher crops at
-1/2 each) equals the single mean over all pairs to float32 rounding, not bit for bit: each
-teacher crop's sum is divided by C - 1 before the two are added (measured: at most 2.2e-7
-relative per example, 4 to 12 crops). With ``loss.weights.koleo`` set (the ViT demo), DINOv2's
-KoLeo term on the student's trunk output of each teacher crop joins them (jssl.methods.koleo).
-
-After the optimizer step: the teacher's parameters move towards
-the student's with a momentum that rises from ``teacher_momentum`` to 1 on a cosine over
-the run (``common.cosine_momentum``, VISSL ``update_momentum_network``), and the centre, the
-EMA (``center_momentum``) of the teacher's mean output over the GLOBAL batch, is updated.
-
-Schedules, all functions of the optimizer step: the teacher temperature rises linearly
-from ``warmup_teacher_temp`` to ``teacher_temp`` over ``warmup_teacher_temp_epochs`` (VISSL
-``torch.linspace(min, max, warmup_iters)[iteration]``); the head's last layer is held fixed
-for its first ``freeze_last_layer_epochs`` (``Method.frozen_params``; DINO
-``cancel_gradients_last_layer``, VISSL ``TEMP_FROZEN_PARAMS_ITER_MAP``). The weight-decay
-schedule and per-parameter gradient clipping are the optimizer's (``optim.weight_decay_schedule``,
-``optim.grad_clip_per_parameter``, jssl.optim).
-
-Teacher batch norm: the teacher runs in training mode, normalising with the statistics of
-its own batch of global crops (synchronised over devices with ``model.sync_bn``); its
-running statistics come from its own forward passes, not from the EMA (both DINO and VISSL
-average parameters only and keep the teacher a SyncBN module in training mode). Evaluation
-mode uses the running statistics of each network.
-
-The head (``jssl.models.heads.DINOHead``) goes on whatever trunk ``models.build_model``
-builds from ``config.model`` (with ``model.head_dims=()``), so a ViT trunk takes it as is.
-The forward stops at the head's normalised bottleneck; the objective applies its last layer
-(the student's, learning, and the teacher's EMA one), so the embeddings per crop are 256 wide,
-not 65536: exact accumulation keeps them and their gradient for the whole batch
-(jssl.training.accumulation; DINO ViT-L/16 at batch 1024 on 8 devices, 768 MiB per device).
-
-Deliberate differences from VISSL / DINO:
-- The temperature warmup is per step as in VISSL (DINO's repository steps it per epoch);
-  warmup lengths and the frozen period are given in epochs and turned into steps.
-- The last layer's freeze zeroes its gradient and update (``optim.freeze_for_steps``);
-  PyTorch skips the parameter, so here coupled SGD weight decay still enters its momentum
-  buffer during the freeze (1e-4 * weight per step in the ResNet recipe).
-- The teacher's per-device batch-norm running statistics are averaged over devices after
-  each step (``model.sync_bn=False``); with SyncBN (the recipes) they are equal anyway.
-- ``bfloat16`` compute stands for PyTorch AMP; the head's normalised bottleneck, its last
-  layer, the logits and the loss are float32 (VISSL keeps the prototypes in float32).
+Per step: the student (trunk + ``DINOHead``) runs on every crop; the teacher, its EMA, on the
+first ``method.teacher_crops`` (global) crops, in train mode and without gradient. The loss is
+the cross-entropy of the teacher's centred, sharpened distribution against the student's over
+every pair of different crops, one term per teacher crop (:func:`terms`). The forward stops at
+the head's 256-d bottleneck and the objective applies the 65536-wide last layer, so exact
+accumulation keeps narrow embeddings. After the step the teacher moves towards the student and
+the centre follows the teacher's global-batch mean; temperature warmup and the last layer's
+freeze are per step. Recipes and deliberate differences: docs/methods.md#dino.
 """
 
 from __future__ import annotations
@@ -90,7 +34,12 @@ def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
     """One term per teacher crop: ``cross_entropy_crop<t>`` for t < ``method.teacher_crops``,
     the student's cross-entropy against teacher crop t's distribution over the other crops,
     each weighing 1 / teacher_crops by default (their sum is DINO's mean over all pairs);
-    ``loss.weights.cross_entropy`` scales them all. Why per teacher crop: see the module.
+    ``loss.weights.cross_entropy`` scales them all; to float32 rounding, not bit for bit (each
+    teacher crop's sum is divided by C - 1 first: at most 2.2e-7 relative per example). Per
+    teacher crop because the teacher crop is the target (as SwAV's assignment crop), and the
+    global crops differ (blur 1.0 / 0.1, solarisation on the second), so weighing the clean
+    against the solarised target is a real choice, one field per term known when the config is
+    written; local crops are exchangeable, and weighing them against global ones is not offered.
     With ``loss.weights.koleo`` set, KoLeo's ``koleo_crop<t>`` too (jssl.methods.koleo)."""
     crops = range(int(config.method.teacher_crops))
     return common.crop_terms("cross_entropy", crops) + koleo.optional_terms(config, crops)

@@ -4,38 +4,14 @@ dinov2/loss/{dino_clstoken_loss,ibot_patch_loss,koleo_loss}.py, dinov2/data/mask
 collate.py, dinov2/configs/ssl_default_config.yaml), on top of iBOT (jssl.methods.ibot: masks,
 student and teacher passes) and DINO (its loss and schedules).
 
-Per step: the student's ViT sees its global crops (the teacher's, ``method.teacher_crops``)
-with DINOv2's blockwise masks (``masking.dinov2_spec``: with probability
-``mask_sample_probability`` a ratio in ``mask_ratio_min_max``), the local crops unmasked; the
-teacher (EMA, no drop path) sees the global crops unmasked and runs its patch head on the
-masked patches only. Three losses:
-- ``dino``: DINO's [CLS] cross-entropy over every (teacher crop, other crop) pair
-  (``losses.dino_teacher_crop_losses``; DINOv2's global and local parts summed over the same
-  pairs);
-- ``ibot``: iBOT's masked-patch loss of each global crop against the teacher at the same
-  patches (``losses.masked_patch_losses``);
-- ``koleo``: KoLeo (``losses.koleo_losses``) on the student's normed class tokens of each
-  global crop, within groups of ``koleo_group_size`` examples (DINOv2: each GPU's batch).
-The teacher's targets: ``centering="sinkhorn_knopp"`` (``losses.sinkhorn_centering``: 3
-iterations over the global batch, the patch targets over its masked patches only) or
-``"centering"`` (DINO's EMA centres: one for [CLS], one for the masked patches).
-
-Heads: ``separate_head`` gives the patches their own DINO head (``ClsPatchHeads``:
-``patch_out_dim`` etc.), else the [CLS] head serves both (DINOv2's ``ibot.separate_head``).
-
-Loss terms: ``dino_crop<t>`` and ``ibot_crop<t>`` per global crop t at 1 / teacher_crops each
-(families ``dino`` and ``ibot``: DINOv2's ``dino.loss_weight``, ``ibot.loss_weight``), and
-``koleo_crop<t>`` at 1 each (family ``koleo``, ``koleo_loss_weight`` 0.1: DINOv2 sums the two
-crops' KoLeo terms). Per crop for DINO's and iBOT's reasons (jssl.methods.dino, ibot).
-
-Deliberate differences from DINOv2: masks are drawn per crop from (step, example, crop), each
-crop its own ratio (DINOv2's collate masks exactly half of each GPU's crops at ratios spread
-over strata of the range); KoLeo's groups are fixed slices of the global batch, not GPUs; the
-patch centre (``centering``) is the mean over the global batch's masked patches (DINOv2
-averages the GPUs' means); the schedules are per step in epochs of the data (DINOv2's epoch
-is 1250 iterations: the presets convert); gradients are clipped by the global norm of every
-parameter together (DINOv2: the backbone's and each head's separately). As in DINOv2, the
-presets exempt LayerScale from weight decay and drop every block at the one rate.
+Per step: the student sees its global crops with DINOv2's blockwise masks
+(``masking.dinov2_spec``), the local crops unmasked; the teacher (EMA, no drop path) the global
+crops unmasked. Three terms per global crop (:func:`terms`): ``dino`` (DINO's [CLS] loss),
+``ibot`` (iBOT's masked-patch loss) and ``koleo`` (KoLeo on the student's class tokens, in
+groups of ``koleo_group_size`` examples). The teacher's targets come from Sinkhorn-Knopp over
+the global batch or DINO's EMA centres (``method.centering``); ``separate_head`` gives the
+patches their own head. As DINOv2, the presets exempt LayerScale from weight decay.
+Presets, epochs, numerics and deliberate differences: docs/methods.md#dinov2.
 """
 
 from __future__ import annotations

@@ -3,39 +3,15 @@ bytedance/ibot (main_ibot.py ``iBOTLoss`` and its training loop, loader.py ``Ima
 models/head.py ``iBOTHead``) and VISSL's port (vissl/losses/ibot_loss.py), on top of DINO
 (jssl.methods.dino: its loss, teacher, schedules and start-up checks).
 
-Per step: each global crop (the teacher's crops, ``method.teacher_crops``) of the student gets a
-blockwise mask (``jssl.methods.masking``, iBOT's ``pred_ratio`` +- ``pred_ratio_var``, keyed
-by (step, example index, crop)); the student's ViT sees the mask token in the masked places,
-the local crops unmasked; the teacher (EMA, no drop path) sees the global crops unmasked. The
-[CLS] loss is DINO's over every (teacher crop, other crop) pair; the patch loss
-(``losses.masked_patch_losses``) is the cross-entropy of the student's patch outputs at a
-crop's masked places against the teacher's centred, sharpened outputs at the same places of
-the same crop, averaged per image over its masked patches, then over the images (unmasked
-ones count as 0). [CLS] and patches have their own centres (EMA, ``center_momentum`` and
-``patch_center_momentum``; the patch centre is the teacher's mean over every patch of the
-global batch) and teacher temperatures (``teacher_patch_temp``, warmed up from
-``warmup_teacher_patch_temp`` over the same epochs, after ``pred_start_epoch``).
+Per step: each global crop of the student gets a blockwise mask (``jssl.methods.masking``) and
+the mask token in the masked places; the teacher (EMA, no drop path) sees the global crops
+unmasked. Two losses: DINO's [CLS] loss, and the patch loss (``losses.masked_patch_losses``)
+of the student's patch outputs at a crop's masked places against the teacher's centred,
+sharpened outputs there; each has its own centre and teacher temperature. The patch tokens get
+their own last layer unless ``shared_head``, and the student's patch head runs on the masked
+places only (the same loss). Terms per global crop (:func:`terms`).
 
-Head (``DINOHead`` on class and patch tokens): one MLP; the patch tokens get their own last
-layer (``last_layer2``, ``patch_out_dim``) unless ``shared_head``; the teacher shares its last
-layer for both unless ``shared_head_teacher=False`` (iBOT's defaults: student separate,
-teacher shared, which needs ``patch_out_dim == out_dim``). The student's patch head runs on the
-masked places only (a fixed number per crop, ``masking.max_masked``): the loss is the same as
-iBOT's head on every patch. ``use_bn_in_head``: batch norm between the MLP's layers (iBOT's
-``--norm_in_head bn``; its batches: docs/methods.md).
-
-Loss terms: ``cls_crop<t>`` (family ``cls``, iBOT's ``lambda1``: ``loss.weights.cls``) per
-teacher crop as DINO's, and ``patch_crop<t>`` (family ``patch``, ``lambda2``) per global crop,
-each weighing 1 / teacher_crops, so ``cls`` and ``patch`` are iBOT's ``total_loss1`` and
-``total_loss2``; per crop for DINO's reasons (the masked crop is target and prediction of its
-patch term: weighing the clean against the solarised view is a choice for either loss). Where
-``loss.weights.koleo`` is set (the demo), DINOv2's ``koleo_crop<t>`` too (methods.koleo).
-
-Deliberate differences from iBOT: the schedules (temperatures, masking start) are per step as
-VISSL's DINO (iBOT steps them per epoch); masks are drawn per example from the step key
-(iBOT draws them in the data loader); the teacher starts as an exact copy of the student (with
-a shared teacher head iBOT's ``load_state_dict`` leaves the student's ``last_layer2`` in the
-teacher's shared layer at start); a frozen last layer still gets weight decay (as DINO's).
+Masks, head, recipes and deliberate differences: docs/methods.md#ibot.
 """
 
 from __future__ import annotations
@@ -57,8 +33,11 @@ from jssl.parallel import DATA_AXIS
 
 
 def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
-    """``cls_crop<t>`` and ``patch_crop<t>`` for t < ``method.teacher_crops``; see the module.
-    With ``loss.weights.koleo`` set, KoLeo's ``koleo_crop<t>`` too (jssl.methods.koleo)."""
+    """``cls_crop<t>`` (family ``cls``, iBOT's ``lambda1``) and ``patch_crop<t>`` (family
+    ``patch``, ``lambda2``) for t < ``method.teacher_crops``, each at 1 / teacher_crops, so the
+    families are iBOT's ``total_loss1`` and ``total_loss2``; per crop for DINO's reasons
+    (:func:`jssl.methods.dino.terms`: the masked crop is target and prediction). With
+    ``loss.weights.koleo`` set, KoLeo's ``koleo_crop<t>`` too (jssl.methods.koleo)."""
     crops = range(int(config.method.teacher_crops))
     terms = common.crop_terms("cls", crops) + common.crop_terms("patch", crops)
     return terms + koleo.optional_terms(config, crops)

@@ -3,48 +3,15 @@ facebookresearch/mae (``models_mae.py``, ``main_pretrain.py``, ``engine_pretrain
 ``util/pos_embed.py``) and solo-learn's ``solo/methods/mae.py`` for running it as one method
 among others. VISSL has no MAE.
 
-Per step and crop (MAE: one RandomResizedCrop per image): the patches of each image are
-masked at random, ``method.mask_ratio`` (0.75) of them; the ViT encoder (the jssl trunk, its
-``keep=`` option) runs on the visible patches only, behind the class token; the decoder
-(``jssl.models.mae.MAEDecoder``: ``method.decoder_dim`` wide, ``decoder_depth`` blocks of
-``decoder_heads`` heads, fixed 2-D sin-cos position embeddings, a learned mask token) rebuilds
-every patch from the encoder's output; the loss (``jssl.losses.masked_patch_mse``, term
-``reconstruction``) is the mean squared error on the masked patches only, against the input
-crop's pixels, per-patch normalised with ``method.norm_pix_loss``. No teacher, no state.
+Per step and crop: ``method.mask_ratio`` of each image's patches are masked at random, keyed
+by (seed, step, crop, example index); the ViT encoder (its ``keep=`` option) runs on the
+visible patches, ``jssl.models.mae.MAEDecoder`` rebuilds every patch, and the loss
+(``jssl.losses.masked_patch_mse``, term ``reconstruction``) is the mean squared error on the
+masked patches (per-patch normalised pixels with ``method.norm_pix_loss``). Sin-cos position
+embeddings are held fixed. ``make_images`` draws crops, masks and reconstructions for
+TensorBoard.
 
-Masking is keyed by (seed, step, crop, example index): row i of crop c draws its noise from
-``fold_in(example_keys(rng, index, MASK_STREAM)[i], c)``, so an example is masked the same
-way on any number of devices, in any micro-batch and after a resume. The test phase masks
-its centre crops the same way from the state's key, so the test loss is the reconstruction
-error of fixed masks.
-
-The encoder's position embeddings are MAE's fixed sin-cos ones with the presets'
-``model.pos_embed_init="sincos"``, held fixed for the whole run (``Method.frozen_params``;
-MAE's ``requires_grad=False``).
-
-Evaluation: the trunk's taps. MAE's linear probe reads the class token after the encoder's
-final norm (``avgpool``) through a BatchNorm without affine parameters (main_linprobe.py; jssl's
-linear heads have a BatchNorm too); its fine-tuning averages the patch tokens (``patch_avg``).
-The class token gets no loss of its own (the decoder only passes it along), so kNN on
-``avgpool`` is weak, and in the demo both kNN and a linear probe do better on ``patch_avg``
-(docs/methods.md has the figures per tap). ``Forward.features``
-(``avgpool``) is, in training, the class token of the masked forward (the online probe's
-input, as solo-learn's online classifier), and in evaluation mode that of the whole crop (the
-test phase's kNN queries and outputs), from one more encoder pass.
-
-``make_images(config)`` gives the train engine's picture hook: crops, their masked versions and
-the reconstructions, for TensorBoard.
-
-Deliberate differences from the reference:
-- The encoder is jssl's ViT: timm's truncated-normal init of its Dense layers and PyTorch's
-  conv init of the patch projection, where MAE uses Xavier-uniform for both; its sin-cos
-  embeddings (``pos_embed_init="sincos"``) are MoCo v3's layout, row coordinate first, where
-  MAE's put the column first: the same table transposed on the grid (the decoder's follow MAE,
-  ``jssl.models.mae.sincos_pos_embed``). The decoder's blocks are jssl's too
-  (``jssl.models.mae``).
-- Several crops per image (``data.augment.num_crops``) are allowed, each masked on its own,
-  the loss averaged over them (solo-learn's ``num_large_crops``); MAE takes one.
-- ``bfloat16`` compute stands for PyTorch AMP; the loss is computed in float32.
+Recipes, evaluation taps and deliberate differences: docs/methods.md#mae.
 """
 
 from __future__ import annotations

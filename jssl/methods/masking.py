@@ -6,26 +6,10 @@ devices, in any micro-batch and after a resume, with no host-side state.
 
 Blockwise masking is BEiT's (Bao et al. 2022, Sec. 2.5), as iBOT's ``ImageFolderMask``
 (bytedance/ibot loader.py, ``pred_shape="block"``) and DINOv2's ``MaskingGenerator``
-(dinov2/data/masking.py) run it: until the crop holds its target number of masked patches,
-try up to 10 rectangles of area uniform in (min patches, patches still to mask) and log-uniform
-aspect ratio (0.3 to 1/0.3) at a uniform position, and take the first that adds at least one
-new patch without passing the target; stop when none of the 10 does. The 10 tries are drawn
-at once and the first acceptable one taken, which has the distribution of trying them in turn.
-
-Per crop, a ratio range is picked (``MaskSpec.ratio_ranges`` with ``range_probs``) and the
-ratio drawn uniformly in it:
-- iBOT: ``pred_ratio`` +- ``pred_ratio_var``, one pair picked uniformly (the ViT-S/16 recipe's
-  ``--pred_ratio 0 0.3 --pred_ratio_var 0 0.2``: no mask, or a ratio in (0.1, 0.5), each with
-  probability 1/2); target ``ratio * patches`` (a float, as iBOT's ``high``); smallest block
-  ``(min(h, w) // 3) ** 2`` patches; ``pred_shape="rand"`` masks ``int(ratio * patches)``
-  patches at random instead.
-- DINOv2: with probability ``mask_sample_probability`` a ratio in ``mask_ratio_min_max``, else
-  none; target ``int(ratio * patches)``; smallest block 4 patches, no block above half the
-  patches (``collate_data_and_cast``'s ``MaskingGenerator`` arguments).
-
-Deliberate difference from DINOv2: its collate masks exactly ``int(probability * B)`` crops of
-the per-GPU batch, their ratios spread over ``linspace`` strata of the range, which depends on
-the batch; here each crop draws its own, so a crop's mask does not depend on its batch.
+(dinov2/data/masking.py) run it (:func:`block_mask`). Per crop a ratio range is picked and the
+ratio drawn in it (:class:`MaskSpec`; :func:`ibot_spec`, :func:`dinov2_spec`). Each crop draws
+its own ratio, where DINOv2's collate spreads them over the per-GPU batch:
+docs/methods.md#dinov2 and docs/methods.md#ibot.
 """
 
 from __future__ import annotations
@@ -140,9 +124,11 @@ def block_mask(
     aspect: tuple[float, float] = (0.3, 1 / 0.3),
 ) -> jax.Array:
     """An (h, w) mask of rectangles holding at most ``target`` patches (BEiT's
-    ``MaskingGenerator``; see the module docstring): rectangles are added until ``target`` is
-    reached or 10 tries in a row fail; each adds between 1 and ``min(target - masked,
-    max_num_patches)`` new patches, its area drawn from ``min_num_patches`` up to that."""
+    ``MaskingGenerator``): rectangles are added until ``target`` is reached or 10 tries in a row
+    fail; each adds between 1 and ``min(target - masked, max_num_patches)`` new patches, its
+    area drawn from ``min_num_patches`` up to that, its aspect ratio log-uniform in ``aspect``
+    and its position uniform. The 10 tries are drawn at once and the first acceptable one
+    taken, which has the distribution of trying them in turn."""
     h, w = grid
     rows = jnp.arange(h)[None, :, None]
     cols = jnp.arange(w)[None, None, :]

@@ -3,16 +3,11 @@ Learning"; Chen et al. 2020, "Improved Baselines ..."), as in VISSL's MoCo hook 
 vissl/losses/moco_loss.py.
 
 Per step: the query encoder embeds view 1; the momentum (key) encoder, an EMA of the query
-encoder, embeds view 2; InfoNCE against a queue of earlier keys; the keys of the whole
-global batch are enqueued. The EMA runs after the optimizer update of step t and so equals
-MoCo's update at the start of step t+1 (both are m * key + (1 - m) * query_after_step_t).
-
-Deliberate differences from VISSL:
-- The initial queue is random unit vectors as in VISSL, drawn from jax.random.
-- Per-device batch-norm running statistics (sync_bn=False) are averaged over devices at
-  each step (jssl.methods.common.mean_over_devices), so the replicated state stays
-  consistent; PyTorch DDP instead broadcasts rank 0's buffers. Training-mode normalisation
-  still uses per-device batches.
+encoder, embeds view 2 (shuffle-BN across devices with per-device BN); InfoNCE against a
+queue of earlier keys; the keys of the whole global batch are enqueued. The EMA runs after
+the optimizer update of step t and so equals MoCo's update at the start of step t+1 (both are
+m * key + (1 - m) * query_after_step_t). The initial queue is random unit vectors, as VISSL's.
+Recipe and deliberate differences: docs/methods.md#moco-v2.
 """
 
 from __future__ import annotations

@@ -1,43 +1,17 @@
 """MoCo v3 (Chen, Xie, He 2021, "An Empirical Study of Training Self-Supervised Vision
-Transformers"), following its reference code, facebookresearch/moco-v3 (moco/builder.py
-``MoCo``, ``MoCo_ResNet``, ``MoCo_ViT``; main_moco.py; vits.py). VISSL has no MoCo v3, so
-there is no VISSL file to follow; the reference repository takes its place.
+Transformers"), following facebookresearch/moco-v3 (moco/builder.py ``MoCo``, ``MoCo_ResNet``,
+``MoCo_ViT``; main_moco.py; vits.py). VISSL has no MoCo v3.
 
-The base encoder is the trunk + projector (``params["trunk"]``, ``params["head"]``: an MLP
-without biases, BN after each hidden layer and an affine-free BN on its output,
-``_build_mlp(..., last_bn=True)``) followed by the predictor (``params["predictor"]``, its own
-subtree as BYOL's: 2 layers, BN after the hidden one; affine-free output BN for ViT, none for
-ResNet). The momentum encoder is an EMA of the trunk and projector only (``ema_params``), no
-predictor. Per step each view goes through the base encoder (queries ``q1``, ``q2``) and the
-momentum encoder (keys ``k1``, ``k2``), ONE VIEW AT A TIME as the reference's forward does, so
-train-mode batch norm normalises each view's batch on its own and the running statistics
-move twice per step. The loss is ``ctr(q1, k2) + ctr(q2, k1)``
-(``jssl.losses.mocov3_info_nce``, loss term ``info_nce``): InfoNCE against the keys of the
-global batch (gathered over the mesh's data axis; no queue), each scaled by ``2 * T``. The
-keys get no gradient.
-
-Momentum: cosine from ``base_momentum`` (0.99) to ``final_momentum`` (1) over the run
-(main_moco.py ``adjust_moco_momentum`` with ``--moco-m-cos``, per iteration). The reference
-updates the momentum encoder at the start of iteration k, from the base encoder after k
-optimizer steps, with ``m(k)``; here ``after_update`` does the same update at the end of the
-step that made those k steps, so the keys of every step come from the same encoder.
-
-ViT position embeddings: the presets set ``model.pos_embed_init="sincos"``, the reference's
-fixed 2-D sin-cos values (vits.py ``build_2d_sincos_position_embedding``), held fixed for the
-whole run by the same freeze as the patch projection.
-
-ViT (``method.freeze_patch_embed``, the reference's ``--stop-grad-conv1``, Sec. 4.2 of the
-paper): the patch projection stays at its random init for the whole run. It is frozen through
-the optimizer (``Method.frozen_params``, ``jssl.optim.freeze_for_steps``), which zeroes its
-gradient and its update, so AdamW's weight decay does not move it either (the reference sets
-``requires_grad=False``, so AdamW skips it).
-
-Deliberate differences from the reference:
-- Per-device batch-norm running statistics (``model.sync_bn=False``) of both encoders are
-  averaged over devices after each step; the reference converts every BN to SyncBN (our
-  presets' ``sync_bn=True``).
-- The EMA runs after the optimizer step instead of before the next forward (the same values,
-  see above); the checkpoint of step k therefore holds the momentum encoder step k+1 uses.
+The base encoder is trunk + projector + predictor (``params["predictor"]``); the momentum
+encoder an EMA of trunk and projector. Each view goes through both encoders one at a time, as
+the reference's forward does (train-mode BN per view); the loss is ``ctr(q1, k2) + ctr(q2,
+k1)`` (``jssl.losses.mocov3_info_nce``, term ``info_nce``), InfoNCE against the keys of the
+global batch scaled by ``2 * T``. The momentum rises on a cosine to 1; ``after_update`` applies
+at the end of step k the update the reference makes at the start of step k + 1, so the values
+match and the checkpoint of step k holds the momentum encoder step k + 1 uses. On a ViT the
+patch projection (``method.freeze_patch_embed``, ``--stop-grad-conv1``) and sin-cos position
+embeddings are held fixed by the optimizer, update and weight decay included.
+Recipes and deliberate differences: docs/methods.md#moco-v3.
 """
 
 from __future__ import annotations

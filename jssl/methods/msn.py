@@ -2,51 +2,15 @@
 facebookresearch/msn trains it (``src/msn_train.py``, ``src/losses.py``, ``src/deit.py``,
 ``src/data_manager.py``, ``configs/pretrain/msn_vits16.yaml``).
 
-Views (crop groups, ``data.augment``): crop 0 is the target view; every other crop of its size
-is a random-masked anchor; crops of other sizes are focal anchors (the reference's
-``rand_views + 1`` views at 224 px, the first of them the target, and ``focal_views`` views
-at 96 px: ``num_crops=(2, 10)``, ``crop_sizes=(224, 96)``). Per step:
+Crop 0 is the target view, other crops of its size random-masked anchors (only some patches
+through the ViT, ``keep=``, drawn per (step, crop, example index)), crops of other sizes focal
+anchors. The target encoder, an EMA of the online trunk and head, embeds the target view
+without gradient; both sides' projections are compared by cosine to learned prototypes
+(``params["prototypes"]``), and ``jssl.losses.msn_terms`` gives ``cross_entropy`` (against
+sharpened, Sinkhorn-balanced targets), ``me_max`` and ``entropy``. The target momentum and the
+sharpening follow the reference's schedules over ``schedule_horizon`` times the run.
 
-- the online ViT runs on the anchors, one pass per resolution (the head's batch norm
-  normalises each resolution's batch on its own, as the reference's per-resolution
-  ``forward_features``); a random-masked anchor sends only ``floor(P * (1 - patch_drop))`` of
-  its P patches, drawn per (step, crop, example index), through the blocks (``keep=``);
-  focal anchors are small crops, i.e. a contiguous block of the image (the paper's focal
-  masking, as the reference makes it), unmasked; ``method.focal_block > 0`` further keeps
-  only a random ``focal_block x focal_block`` block of their patch grid;
-- the target encoder, an EMA of the online trunk and projection head, runs on the target view
-  (train-mode batch norm, no drop path), without gradient;
-- both projections (3-layer MLP with BN and GELU, ``MSNHead``) are L2-normalised and compared
-  to ``num_prototypes`` learned prototypes (``params["prototypes"]``, (K, d), normalised where
-  used) by cosine; the loss (``jssl.losses.msn_terms``) takes it from there.
-
-Loss terms (``terms``): ``cross_entropy`` (anchors against the sharpened, Sinkhorn-balanced
-targets), ``me_max`` (mean-entropy maximisation, the reference's ``memax_weight`` is its
-weight) and ``entropy`` (the anchors' own entropy, ``ent_weight``, 0 in the recipes); with
-``loss.weights.koleo`` set (the demo), DINOv2's ``koleo_crop<c>`` on the online class token
-of each random-masked anchor c (jssl.methods.koleo), which MSN does not have.
-
-Schedules, functions of the optimizer step as in the reference: the target momentum rises
-LINEARLY from ``target_momentum`` to ``final_target_momentum`` over ``schedule_horizon`` (1.25)
-times the run, so it ends at 0.9992 (``momentum_scheduler``); the sharpening moves the same way
-from ``sharpen`` to ``final_sharpen`` (0.25 -> 0.25 in the recipes). The learning rate and
-weight decay are the optimizer's (jssl.optim).
-
-Deliberate differences from the reference:
-- Each example draws its own random mask, keyed by (step, crop, example index); the reference
-  draws one permutation per batch (``torch.randperm`` in ``forward_features``), shared by
-  every image.
-- The optimizer's cosines (lr to 1e-6, weight decay 0.04 -> 0.4) end with the run; the
-  reference stretches both over 1.25 times the run and stops at 80% (lr ~1e-4, weight decay
-  ~0.37 at the end). ``schedule_horizon`` keeps that stretch for the momentum and sharpening.
-- The prototypes' gradient is the mean over the global batch like every other parameter's
-  (the reference sums it over its GPUs, 16 times the mean in the ViT-S/16 recipe, a scale
-  AdamW mostly normalises away); the prototypes are their own parameter group (no decay), so
-  clipping (``optim.grad_clip_norm``, 3.0) clips them apart from the encoder (the reference
-  clips only the encoder).
-- ``Forward.features`` (the online probe's input) are the target encoder's class token of the
-  target view, the one unmasked view and the encoder the reference evaluates; evaluation
-  engines read the online encoder.
+Recipe, demo and deliberate differences: docs/methods.md#msn.
 """
 
 from __future__ import annotations

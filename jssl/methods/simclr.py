@@ -1,28 +1,15 @@
 """SimCLR (Chen et al. 2020, "A Simple Framework for Contrastive Learning of Visual
 Representations"), as VISSL trains it (configs/config/pretrain/simclr/simclr_8node_resnet.yaml,
-vissl/losses/simclr_info_nce_loss.py).
+vissl/losses/simclr_info_nce_loss.py and multicrop_simclr_info_nce_loss.py).
 
 Per step: every crop of every image goes through the one online network (trunk + MLP
-projection head). With two crops, NT-Xent (``jssl.losses.simclr_info_nce``) contrasts each view
-with the other view of its image against the 2N - 2 other embeddings of the global batch,
-gathered from every device with gradients flowing back. With more crops (crop groups such as
-2x224 + 4x96, ``data.augment.num_crops``), VISSL's multi-crop loss
-(``jssl.losses.multicrop_simclr_info_nce``): every crop is an anchor, every other crop of its
-image a positive, the crops of the other images of the global batch the negatives, and the
-loss the mean over (anchor, positive) pairs. No momentum encoder, no queue, nothing to update
-after the step.
+projection head; one trunk pass per resolution, as VISSL's multi-resolution forward).
+``jssl.losses.multicrop_simclr_info_nce`` contrasts every crop with the other crops of its
+image against the crops of every other image of the global batch, gathered from every device
+with gradients flowing back; with two crops it is NT-Xent (``jssl.losses.simclr_info_nce``).
+No momentum encoder, no queue, nothing to update after the step.
 
-Deliberate differences from VISSL:
-- Crops of one size go through the trunk as one concatenated batch and the head sees all
-  crops at once (VISSL's multi-resolution forward), so batch-norm statistics in train mode
-  cover every crop of a resolution.
-- Per-device batch-norm running statistics (``model.sync_bn=False``) are averaged over devices
-  after each step; VISSL's recipe converts every BN to SyncBN (our ``sync_bn=True`` preset).
-- In the test phase (evaluation mode) the padding rows of the last test batch take part in the
-  negatives; the per-example losses of real rows are what the test loss averages.
-- Multi-crop negatives come from the global batch (VISSL's multi-crop criterion masks out
-  other ranks' crops, so its loss depends on the GPU count); see
-  ``jssl.losses.multicrop_simclr_info_nce``.
+Recipes and deliberate differences: docs/methods.md#simclr.
 """
 
 from __future__ import annotations

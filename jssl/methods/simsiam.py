@@ -2,28 +2,14 @@
 SimSiam; this follows the paper and its official code (facebookresearch/simsiam,
 main_simsiam.py and simsiam/builder.py).
 
-Per step: each of the two views goes through the one network, trunk + 3-layer projector
-(BN on every layer, affine-free BN at the output: ``model.head_bn`` and
-``model.head_last_bn``) giving ``z``, then the predictor (2048-512-2048, BN on the hidden
-layer; ``params["predictor"]``) giving ``p``. The loss is ``D(p1, sg(z2)) / 2 +
-D(p2, sg(z1)) / 2`` with ``D`` the negative cosine (``jssl.losses.simsiam_loss``, loss term
-``negative_cosine``): the stop-gradient on the target branch is what keeps the outputs from
-collapsing (Sec. 4.1). No momentum encoder, no queue, nothing to update after the step.
+Per step: each view goes through the one network on its own, as the official code does
+(train-mode BN normalises each view's batch separately): trunk + 3-layer projector (affine-free
+BN at the output) giving ``z``, then the predictor (``params["predictor"]``) giving ``p``. The
+loss is ``D(p1, sg(z2)) / 2 + D(p2, sg(z1)) / 2`` with ``D`` the negative cosine
+(``jssl.losses.simsiam_loss``, term ``negative_cosine``): the stop-gradient keeps the outputs
+from collapsing (Sec. 4.1). No momentum encoder, no queue, nothing to update after the step.
 
-As in the official code, each view goes through the network on its own, so train-mode batch
-norm normalises each view's batch separately (over every device with ``model.sync_bn``), and
-the running statistics take both updates in view order.
-
-Deliberate differences from the paper and its code:
-- The paper keeps the predictor's learning rate fixed (``--fix-pred-lr``: no cosine decay for
-  the predictor, Sec. 4.4 "Predictor"); the presets decay it with the rest, and
-  ``--config.optim.param_groups="(('predictor', 1.0, 'constant'),)"`` fixes it at the peak rate
-  as the paper does.
-- The official projector's Linear layers have no bias (each is followed by BN); jssl's MLP
-  head has biases, which the train-mode BN that follows cancels (their gradient is zero).
-- The official code's BN is synchronised over the GPUs of one 8-GPU node (batch 512); here
-  ``model.sync_bn=True`` synchronises it over every device, ``False`` keeps per-device
-  statistics (their running averages are averaged over devices after each step).
+Recipe and deliberate differences: docs/methods.md#simsiam.
 """
 
 from __future__ import annotations

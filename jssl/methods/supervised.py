@@ -1,65 +1,17 @@
-"""Supervised training of the trunk and a linear classifier, the baseline every SSL number is
-compared with, and, started from pre-trained weights (``init.checkpoint``), VISSL's full
-fine-tuning benchmark (semi-supervised on 1% / 10% of ImageNet's labels).
+"""Supervised training of the trunk and a linear classifier: the baseline every SSL number is
+compared with, and, from pre-trained weights (``init.checkpoint``), VISSL's fine-tuning
+benchmarks and MAE's ViT fine-tuning. Follows VISSL's
+configs/config/pretrain/supervised/supervised_8gpu_resnet.yaml,
+vissl/losses/cross_entropy_multiple_output_single_target.py and
+vissl/meters/accuracy_list_meter.py, and MAE's ``main_finetune.py`` with timm's mixup.
 
-As VISSL trains it: configs/config/pretrain/supervised/supervised_8gpu_resnet.yaml (and the
-1-GPU example), configs/config/benchmark/semi_supervised/imagenet1k/
-eval_resnet_8gpu_transfer_in1k_semi_sup_fulltune.yaml, the loss of
-vissl/losses/cross_entropy_multiple_output_single_target.py and the ``accuracy_list_meter``
-(top-1 and top-5) of vissl/meters/accuracy_list_meter.py.
-
-Per step: one augmented crop of each image through the trunk and the head, whose output is the
-class logits (VISSL's head ``["mlp", {"dims": [2048, 1000]}]``: ``model.head_dims=(2048,
-1000)``, one linear layer), and the cross-entropy of the labels, optionally label-smoothed
-(``method.label_smoothing``: targets ``(1 - s) one_hot + s / K``), with the logits divided by
-``method.temperature`` (and L2-normalised first with ``method.normalize_output``), as VISSL's
-criterion has them. The loss term is ``cross_entropy``. Top-1 and top-5 accuracy (%) are logged
-per training batch and, in the test phase, counted per example over the real rows of the whole
-test split (``test/top1``, ``test/top5``), as VISSL's meters count the test set. No momentum
-encoder, no state to update.
-
-Fine-tuning a ViT (MAE's ``main_finetune.py``; the ``finetune_vit`` preset of
-configs/supervised.py): mixup and CutMix with label smoothing (``method.mixup_alpha``,
-``cutmix_alpha``, ``mix_prob``, ``switch_prob``; timm's ``Mixup``, jssl.losses.mixing, where the
-pairing and the draws are described), trained with the soft-target cross-entropy of the mixed
-targets. Adjacent examples (2j, 2j + 1) are partners and each pair's draw is keyed by the step
-and the dataset index of example 2j (``common.example_keys``), so the mixes do not depend on the
-device count; the local batch (each micro-batch) must be even. While the images are mixed, the
-training top-1 / top-5 count hits against each example's dominant label (the one with the
-larger share of its target; timm's train loop reports none); the test phase never mixes. The
-head reads ``method.head_input``: ``avgpool`` (the ViT's normed class token, MAE's
-``--cls_token``) or ``patch_avg`` (the mean of its normed patch tokens, MAE's ``global_pool``).
-Layer-wise learning-rate decay is the optimizer's (``optim.layer_decay``, jssl.optim.groups).
-
-Several outputs (VISSL's multiple-output loss, a list of heads against the same target):
-``method.tap_classifiers`` names trunk taps (``('res4', 'res5')`` on a ResNet, ``('block11',)``
-on a ViT), each with its own linear classifier (``params["tap_classifiers"][tap]``; a spatial
-tap is averaged over its positions first). Every output is its own term, ``cross_entropy`` for
-the head and ``cross_entropy_<tap>`` for the others, and the loss is their sum (VISSL sums, weight
-1 each; ``--config.loss.weights.cross_entropy_res4=0.3`` weighs one down, its gradient reaching
-the trunk through that tap). Each output reports its own top-1 / top-5 (``top1_<tap>``), in the
-test phase too.
-
-Deliberate differences from VISSL:
-- No ``ignore_index``: every training row has a label (the data pipeline drops the last
-  partial batch; padding rows exist only in evaluation, where the mask removes them).
-- Per-device batch-norm running statistics (``model.sync_bn=False``, as VISSL's recipe) are
-  averaged over devices after each step; PyTorch DDP broadcasts rank 0's buffers.
-- Colour jitter: VISSL's supervised recipe jitters brightness, contrast, saturation and hue
-  by 0.4; jssl's jitter ties them as (0.8s, 0.8s, 0.8s, 0.2s), so the recipe's strength 0.5
-  gives 0.4 for the first three and hue 0.1.
-- Extra outputs are linear classifiers on trunk taps built by the method; VISSL takes whatever
-  list of heads ``MODEL.HEAD.PARAMS`` builds (its ``EnsembleOutput`` is not offered).
-- A weight field per output exists where the config declared it (``base.loss_terms`` after
-  ``method.tap_classifiers``); taps added on the command line weigh 1, as in VISSL.
-
-Deliberate differences from MAE's fine-tuning (beyond jssl.losses.mixing's from timm):
-- ``patch_avg`` averages the patch tokens after the pre-trained final LayerNorm; MAE's
-  ``global_pool`` drops that norm and applies a fresh one (``fc_norm``) to their average.
-- The head is a Linear layer at PyTorch's default init; MAE draws its weight from a normal of
-  std 2e-5 (``trunc_normal_(model.head.weight, std=2e-5)``).
-- The test loss is the training criterion on unmixed images (label smoothing included); MAE's
-  evaluation reports the plain cross-entropy.
+Per step: one crop of each image through the trunk and head, and the cross-entropy of the
+(optionally smoothed) labels, logits divided by ``method.temperature``; term
+``cross_entropy``. Top-1 / top-5 are logged per batch and, in the test phase, counted over the
+real rows of the split. ``method.tap_classifiers`` adds a linear classifier per trunk tap, each
+its own term; ``mixup_alpha`` / ``cutmix_alpha`` mix pairs of examples (jssl.losses.mixing).
+Recipes and deliberate differences: docs/methods.md#supervised (ViT fine-tuning:
+docs/methods.md#fine-tuning-a-vit-finetune_vit).
 """
 
 from __future__ import annotations

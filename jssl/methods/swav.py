@@ -2,50 +2,16 @@
 Assignments"), as VISSL trains it (configs/config/pretrain/swav/swav_8node_resnet.yaml,
 vissl/losses/swav_loss.py, vissl/hooks/swav_hooks.py, vissl/models/heads/swav_prototypes_head.py).
 
-Per step: every crop of every image (crop groups, e.g. 2x224 + 6x96) goes through the online
-network, one trunk pass per resolution and the MLP projection head on all crops (VISSL's
-multi-resolution forward). The embeddings are L2-normalised and scored against each set of
-prototypes (``method.num_prototypes``; rows of unit norm, so the scores are cosines). For each
-prototype set, the codes of the ``crops_for_assign`` crops come from Sinkhorn-Knopp over the
-global batch (``jssl.losses.sinkhorn_knopp``: every sum over samples spans all devices), and
-every other crop predicts them (``jssl.losses.swav_crop_losses``); the loss is the mean over
-prototype sets.
+Per step: every crop (crop groups, e.g. 2x224 + 6x96) goes through the online network, one
+trunk pass per resolution; the L2-normalised embeddings are scored against each set of unit
+prototypes. The codes of the ``crops_for_assign`` crops come from Sinkhorn-Knopp over the
+global batch (``jssl.losses.sinkhorn_knopp``), and every other crop predicts them; one term per
+assignment crop (:func:`terms`). After the optimizer step the prototypes are normalised again
+(VISSL's NormalizePrototypesHook); for ``freeze_prototypes_iters`` steps they are held fixed.
+The optional queue (``queue_length``) holds the assignment crops' embeddings of earlier global
+batches, one replicated FIFO of which each device feeds Sinkhorn its slice.
 
-Loss terms (``terms``): one per assignment crop, ``swapped_prediction_crop<a>``: the loss whose
-targets are crop ``a``'s codes, averaged over the crops that predict them and over the
-prototype sets (VISSL's per-``crops_for_assign`` ``loss``). Each weighs 1 /
-len(crops_for_assign) by default, so their sum is VISSL's mean over assignment crops, bit for
-bit with the two large crops and one prototype set (with several, to float32 rounding: the sets
-are averaged within each crop's term first);
-``--config.loss.weights.swapped_prediction_crop1=0`` trains on crop 0's codes alone (crop 1
-still predicts them), and ``loss.weights.swapped_prediction`` scales every crop's term.
-TensorBoard and the test phase keep ``swapped_prediction``, the crops' mean at their shares.
-
-After the optimizer step the prototypes are L2-normalised again (VISSL's
-NormalizePrototypesHook, ``normalize_prototypes``), and for the first
-``freeze_prototypes_iters`` steps the optimizer holds them fixed (VISSL
-TEMP_FROZEN_PARAMS_ITER_MAP).
-
-The queue (SwAV's small-batch option, ``queue_length`` > 0): the embeddings of the assignment
-crops of the last ``queue_length / batch_size`` global batches. From epoch
-``queue_start_epoch`` on, Sinkhorn also sees their scores against the current prototypes (no
-gradient), so the equipartition covers batch plus queue; the codes of the batch are kept.
-The queue is one replicated array; each device feeds Sinkhorn its own slice of it, so the
-queued samples, summed over devices, are the whole queue on any number of devices.
-
-Deliberate differences from VISSL:
-- The queue is filled from the first step and takes part once it holds ``queue_length`` real
-  embeddings and the start epoch is reached. VISSL starts filling at its ``start_iter`` and
-  uses the queue at once, random initial rows included; the SwAV repository (main_swav.py)
-  starts filling at the start epoch and uses the queue once full.
-- The queue is one global FIFO (replicated, each device reading its slice) instead of VISSL's
-  per-GPU queues; the set of queued embeddings is the same.
-- Prototypes are normalised at initialisation too, so the first step's scores are cosines
-  (the SwAV repository normalises before every forward, VISSL after every update).
-- Sinkhorn runs in the log domain (see ``jssl.losses.sinkhorn_knopp``); ``use_double_precision``
-  is kept and needs JAX_ENABLE_X64=1.
-- Per-device batch-norm running statistics are averaged over devices (``model.sync_bn=False``);
-  the ImageNet recipe uses synchronised BN as VISSL's does.
+Recipes and deliberate differences: docs/methods.md#swav.
 """
 
 from __future__ import annotations

@@ -2,24 +2,15 @@
 Self-Supervised Learning"), as the paper and its authors' code train it
 (facebookresearch/vicreg, main_vicreg.py and augmentations.py). VISSL has no VICReg.
 
-Per step: each view goes through the online network (trunk, then the expander:
-Linear-BN-ReLU twice, then a Linear) in its own forward pass, as the authors' code does, so
-train-mode batch norm normalises each view with its own statistics. Three terms
-(``jssl.losses.vicreg_terms``): ``invariance``, the mean squared distance of an image's two
-embeddings; ``variance``, a hinge keeping each feature's standard deviation over the global
-batch at 1; ``covariance``, the squared off-diagonal covariances over the global batch. The
-loss is their sum with the weights ``loss.weights.{invariance, variance, covariance}`` (the
-paper's lambda, mu, nu: 25, 25, 1). No teacher, no queue, nothing to update after the step.
+Per step: each view goes through the online network (trunk, then the bias-free expander) in
+its own forward pass, as the authors' code does, so train-mode batch norm normalises each view
+on its own. Three terms (``jssl.losses.vicreg_terms``): ``invariance``, the mean squared
+distance of an image's two embeddings; ``variance``, a hinge keeping each feature's standard
+deviation over the global batch at 1; ``covariance``, the squared off-diagonal covariances
+over the global batch; weighted by ``loss.weights`` (the paper's 25, 25, 1). No teacher, no
+queue, nothing to update after the step.
 
-Deliberate differences from the paper's code:
-- The variance and covariance terms sum over every device with ``psum`` (means first, then
-  centred products) instead of gathering the embeddings; the values are the same.
-- The expander's Dense layers have no biases (``model.head_bias=False``); the code's hidden
-  layers have biases, but each is followed by batch norm, which removes them.
-- Per-device batch-norm running statistics (``model.sync_bn=False``) are averaged over
-  devices after each step; the recipe's ``sync_bn=True`` is the code's SyncBatchNorm.
-- In the test phase the padding rows of the last test batch take part in the statistics;
-  the test loss averages the per-example values of real rows (as SimCLR's).
+Recipe and deliberate differences: docs/methods.md#vicreg.
 """
 
 from __future__ import annotations
