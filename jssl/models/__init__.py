@@ -2,33 +2,10 @@
 ``config.model``.
 
 The config fields mirror VISSL's ``MODEL.TRUNK`` / ``MODEL.HEAD`` sections
-(``vissl/config/defaults.yaml``) flattened into one ``ml_collections.ConfigDict``:
-
-  trunk               "resnet{18,34,50,101,152}", "vit_{tiny,small,base,large,huge,giant}" or
-                      "regnet_y_{16,32,64,128,256}gf" (SEER's trunks)
-  patch_size          ViT patch size (16 or 8 for the published models)
-  image_size          ViT: the resolution its position embeddings are laid out for (224);
-                      other input sizes resample them
-  drop_path_rate      ViT stochastic depth of the last block (linear from 0 over the blocks)
-  drop_path_uniform   ViT: every block at drop_path_rate instead (DINOv2)
-  pos_embed_init      ViT position embeddings: "learned" (timm, DINO) or "sincos" (MoCo v3)
-  vit_depth           ViT blocks; 0 (default) for the size's own (fewer for tests and CPU demos)
-  num_registers       ViT register tokens (Darcet et al. 2024); 0 for none
-  layerscale          ViT LayerScale's initial value (DINOv2: 1e-5); 0 for none
-  ffn                 ViT feed-forward: "mlp" (timm's GELU MLP) or "swiglu" (DINOv2's ViT-g)
-  width_multiplier    scales every channel width (SimCLR's wide ResNets; 1.0 for RegNets)
-  cifar_stem          3x3 stride-1 stem without max-pool, for 32px images
-  zero_init_residual  zero gamma on each block's last BN (Goyal et al. 2017)
-  head_dims           (in, hidden..., out) of the MLP head; () for no head
-  head_bn             BN after each hidden layer of the head
-  head_last_bn        affine-free BN on the head output (MoCo v3 projector)
-  head_bias           biases on the head's Dense layers (default True when the field is absent;
-                      Barlow Twins and VICReg set False)
-  dtype               "float32" | "bfloat16" computation dtype
-  remat               "none" | "full" | "dots": trunk blocks recomputed in the backward pass
-  attention           ViT attention: "auto" (cuDNN flash attention on a GPU that has it, with
-                      bfloat16 compute; XLA elsewhere) | "xla" | "cudnn"
-  sync_bn             read by the caller, who passes ``bn_axis_name`` accordingly
+(``vissl/config/defaults.yaml``) flattened into one ``ml_collections.ConfigDict``; every field,
+with its default and meaning, is in :func:`default_config` (trunks: :func:`valid_trunks`).
+``model.sync_bn`` is read by the caller, who passes ``bn_axis_name`` accordingly. Taps:
+docs/evaluation.md#taps; the trunk contract: docs/design.md#extension-points.
 """
 
 from __future__ import annotations

@@ -5,17 +5,10 @@ embeddings, and the light decoder that rebuilds every patch from the visible one
 
 Layouts (NHWC, as every jssl model): a patch vector lists its pixels row by row, each pixel's
 channels last, which is MAE's ``patchify`` order (``nchpwq -> nhwpqc``); patches are numbered
-row-major over the grid, as the ViT's ``keep=`` indices and its position embeddings.
-
-Deliberate differences from the reference, besides the encoder's (``jssl.methods.mae``):
-- The decoder's blocks are jssl's ViT blocks, with timm's truncated-normal init (std 0.02) of
-  their Dense layers; MAE re-initialises every Linear with Xavier-uniform. The decoder's own
-  input and output projections (``embed``, ``pred``) do use Xavier-uniform, the mask token a
-  normal of std 0.02, as MAE's.
-- The decoder's position embeddings are a constant computed for the input's grid, not a
-  frozen parameter of the pre-training grid: the same values for MAE's square grid, and any
-  other input size (a test-phase crop of another size) gets its own grid's embeddings with no
-  resampling and nothing to freeze.
+row-major over the grid, as the ViT's ``keep=`` indices and its position embeddings. The
+decoder's blocks are jssl's ViT blocks (timm's init; its ``embed`` and ``pred`` projections
+Xavier-uniform and its mask token a normal of std 0.02, as MAE's), and its position
+embeddings a constant for the input's grid: docs/methods.md#mae has the differences.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """RegNetY trunks (Radosavovic et al. 2020, "Designing Network Design Spaces"), the SEER trunks.
 
-Widths and depths follow the RegNet parametrisation of the paper (Sec. 3.3) as implemented by
-classy vision's ``classy_vision/models/regnet.py`` (``RegNetParams``), which VISSL's
-``vissl/models/trunks/regnet.py`` builds on, and torchvision's ``torchvision/models/regnet.py``
-(``BlockParams.from_init_params``). Sizes: torchvision's RegNetY-16GF / 32GF / 128GF and the
-SEER sizes of VISSL's configs (``configs/config/benchmark/fulltune/*/models/regnet64Gf_3.yaml``,
-``regnet256Gf_1.yaml``).
-
-The block is the "Y" residual bottleneck with bottleneck multiplier 1: 1x1 conv, 3x3 grouped
-conv (strided), squeeze-excitation whose width is 0.25 of the block's *input* width, 1x1 conv,
-and a 1x1 projection shortcut where the shape changes. Submodule names follow classy vision
-(``stem``/``stem_bn``, ``block{stage}_{i}`` with ``a``, ``b``, ``se_reduce``, ``se_expand``,
-``c``, ``proj`` and their ``*_bn``). The trunk returns VISSL's feature taps: ``conv1`` (the
-stem after BN and ReLU), ``res2`` .. ``res5`` (one per stage, NHWC) and ``avgpool``.
+Widths and depths follow the RegNet parametrisation (Sec. 3.3) as classy vision's
+``classy_vision/models/regnet.py`` (``RegNetParams``, which VISSL's
+``vissl/models/trunks/regnet.py`` builds on) and torchvision's ``torchvision/models/regnet.py``
+(``BlockParams.from_init_params``) implement it; sizes: torchvision's RegNetY-16GF / 32GF /
+128GF and the SEER sizes of VISSL's configs (``regnet64Gf_3.yaml``, ``regnet256Gf_1.yaml``).
+The block is the "Y" bottleneck (multiplier 1): 1x1 conv, strided 3x3 grouped conv,
+squeeze-excitation 0.25 of the block's *input* width, 1x1 conv, a 1x1 projection shortcut
+where the shape changes. Submodule names follow classy vision (``stem``, ``block{stage}_{i}``
+with ``a``, ``b``, ``se_reduce``, ``se_expand``, ``c``, ``proj``, their ``*_bn``); the taps are
+VISSL's: ``conv1``, ``res2`` .. ``res5`` and ``avgpool`` (docs/evaluation.md#taps).
 """
 
 from __future__ import annotations

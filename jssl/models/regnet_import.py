@@ -1,23 +1,14 @@
 """Import PyTorch RegNetY weights (torchvision, SEER / VISSL, ClassyVision) into jssl's RegNet.
 
 So that SEER's published RegNets and torchvision's can be benchmarked with jssl's evaluators
-(``--config.init.checkpoint=FILE`` with ``--config.model.trunk=regnet_y_*``). Names of block
-``i`` (from 0) of stage ``s`` (from 1), as jssl -> torchvision / ClassyVision:
-
-* the block: ``block{s}_{i}`` -> ``trunk_output.block{s}.block{s}-{i}`` (both);
-* ``a``, ``b`` and their BNs -> ``f.a.0``, ``f.a.1``, ``f.b.0``, ``f.b.1`` (both);
-* ``se_reduce``, ``se_expand`` -> ``f.se.fc1``, ``f.se.fc2`` / ``f.se.excitation.0``, ``.2``
-  (1x1 convs with biases);
-* ``c``, ``c_bn`` -> ``f.c.0``, ``f.c.1`` / ``f.c``, ``f.final_bn``;
-* ``proj``, ``proj_bn`` -> ``proj.0``, ``proj.1`` / ``proj``, ``bn``;
-* ``stem``, ``stem_bn`` -> ``stem.0``, ``stem.1`` / ``stem.stem.0``, ``stem.stem.1``.
-
-(``torchvision/models/regnet.py``; ``classy_vision/models/anynet.py``.) VISSL's trunk
+(``--config.init.checkpoint=FILE`` with ``--config.model.trunk=regnet_y_*``). The name tables
+(``LAYOUTS``, ``_PARTS``; :func:`torch_name`) follow ``torchvision/models/regnet.py`` and
+``classy_vision/models/anynet.py``: jssl's ``block{s}_{i}`` is
+``trunk_output.block{s}.block{s}-{i}`` in both. VISSL's trunk
 (``vissl/models/trunks/regnet.py``) holds ClassyVision's stem as ``conv1`` and its stages as
-``res2`` .. ``res5`` under ``_feature_blocks.``; SEER's checkpoints nest it as
-``classy_state_dict`` -> ``base_model`` -> ``model`` -> ``trunk``. VISSL's FSDP trunk
-(``regnet_fsdp.py``) groups a stage's blocks as ``block{s}-part{g}``; the group is dropped.
-Wrappers and prefixes are removed by ``torch_import.load_torch_state_dict``.
+``res2`` .. ``res5`` under ``_feature_blocks.``; its FSDP trunk (``regnet_fsdp.py``) groups a
+stage's blocks as ``block{s}-part{g}``, a group that is dropped. Wrappers and prefixes are
+removed by ``torch_import.load_torch_state_dict``. docs/evaluation.md#which-weights.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Rematerialisation of trunk blocks (``model.remat``): a block's activations are recomputed
 in the backward pass instead of kept from the forward, trading compute for memory as VISSL's
 activation checkpointing and big_vision's ``nn.remat`` do. The parameters, their names and the
-results are unchanged (checkpoints of either setting load into the other).
+results are unchanged (checkpoints of either setting load into the other). Policies: ``none``;
+``full`` keeps only each block's input; ``dots`` also keeps its matmul outputs.
 
-Policies: ``none``; ``full`` keeps only each block's input; ``dots`` also keeps the outputs of
-its matrix multiplications (a ViT's attention and MLP projections), so the backward pass
-recomputes only the cheap elementwise work between them.
-
-A rematerialised block without batch norm (a ViT's) hands its parameters' gradients and its
-input's gradient on together in the backward pass (an optimisation barrier over both), so each
-block's weight gradients are computed before the backward pass moves to the block below.
-Without it XLA's GPU scheduler, overlapping the asynchronous gradient all-reduce with the
-backward pass, defers the weight-gradient products and keeps every block's recomputed
-activations and activation gradients alive until then. DINO ViT-L/16 at batch 1024 on 8 H100s
-(``benchmarks/memory.py --compiler h100``, compiled ahead of time, parameters gathered whole):
-temporaries per device 128 GiB without remat; with ``full``, 81.5 GiB without the barrier and
-10.8 GiB with it. Blocks with batch norm in train mode (ResNet, RegNet) go without it: flax's
-custom_vjp cannot take running statistics that an earlier call of the trunk produced.
-
-With the state split over the devices (``parallel.shard_params``), a rematerialised block
-gathers its own parameters inside the recomputed region (:func:`gathering`): the whole
-parameters never exist at once, the backward pass gathers a block's again when it recomputes
-the block, and the transpose of the gather hands back each block's gradient already
-reduce-scattered. The train step finds which of the state's split leaves reach a block
-unchanged by tracing the method's loss once (:func:`recording`); the others it gathers whole
-before the forward pass, as without remat.
+A recomputed block without batch norm (a ViT's) hands its weight gradients on together with
+its input's gradient (one optimisation barrier, :func:`_tied`), so XLA's GPU scheduler cannot
+defer the weight-gradient products and keep every block's activations alive meanwhile; blocks
+with train-mode batch norm go without it. With a split state a block gathers its own
+parameters inside the recomputed region (:func:`gathering`), and its gradient comes back
+reduce-scattered; the step finds the leaves that reach a block unchanged by tracing the
+method's loss once (:func:`recording`). Measurements and the whole story:
+docs/operations.md#batches-larger-than-the-devices-hold.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
-"""Import PyTorch ResNet weights (torchvision, VISSL model zoo, MoCo/DINO) into jssl's ResNet.
-
-This lets published PyTorch checkpoints be benchmarked with jssl's evaluators:
+"""Import PyTorch ResNet weights (torchvision, VISSL model zoo, MoCo/DINO) into jssl's ResNet,
+so that published checkpoints can be benchmarked with jssl's evaluators:
 
   variables = import_torch_resnet("converted_vissl_rn50_simclr.torch", config.model)
   # -> {"params": {"trunk": ...}, "batch_stats": {"trunk": ...}}, merge into TrunkAndHead's
 
-Checkpoint layouts read by ``load_torch_state_dict``:
-
-* torchvision state dicts (``torchvision/models/resnet.py``): ``conv1.weight``,
-  ``layer1.0.bn1.running_mean``, ``layer1.0.downsample.0.weight``, ``fc.weight`` ...
-* VISSL checkpoints (``vissl/utils/checkpoint.py``): ``classy_state_dict`` ->
-  ``base_model`` -> ``model`` -> ``trunk``, whose keys carry the ``_feature_blocks.``
-  prefix of ``vissl/models/trunks/resnext.py``; older model-zoo files that hold
-  ``model_state_dict`` or the trunk dict itself.
-* MoCo (``state_dict`` with ``module.encoder_q.``) and DINO (``teacher`` with
-  ``module.backbone.``) training checkpoints; any single prefix in front of
-  torchvision names is recognised.
-
-* safetensors files (``.safetensors``: jssl's own export, ``jssl.models.torch_export``, or
-  a model hub's file) holding such a state dict, read without torch.
-
-``torch`` is only needed to read the pickled files (``torch.load(weights_only=True)``, so
-untrusted checkpoints cannot run code); the conversion itself works on numpy arrays. The one
-name table, ``_torch_name`` (and ``vit_import.torch_name``), with the layout pair
-``to_flax_layout`` / ``to_torch_layout``, serves both the import here and the export.
+``load_torch_state_dict`` reads torchvision state dicts, VISSL checkpoints
+(``vissl/utils/checkpoint.py``, ``_feature_blocks.`` keys; older model-zoo files holding
+``model_state_dict`` or the trunk itself), MoCo's and DINO's training checkpoints (any single
+prefix before torchvision names) and ``.safetensors`` files (read without torch). ``torch``
+only reads the pickled files, with ``weights_only=True`` so untrusted checkpoints cannot run
+code. The one name table, ``_torch_name`` (and ``vit_import.torch_name``), with
+``to_flax_layout`` / ``to_torch_layout``, serves both the import and the export
+(``jssl.models.torch_export``). Which files and flags: docs/evaluation.md#which-weights.
 """
 
 from __future__ import annotations

@@ -1,49 +1,17 @@
 """Vision Transformer trunks (Dosovitskiy et al. 2021; the DeiT / DINO sizes, Touvron et al.
-2021, Caron et al. 2021).
+2021, Caron et al. 2021), and what the masked-image methods need as options of the one trunk.
 
 The block layout is timm's ``VisionTransformer`` (``timm/models/vision_transformer.py``), which
-DINO's ``vision_transformer.py`` and MoCo v3's ``vits.py`` also follow: a strided-conv patch
-projection, a class token, learned absolute position embeddings, pre-norm blocks (LayerNorm eps
-1e-6, multi-head self-attention with a biased qkv projection, exact-erf GELU MLP of ratio 4,
-stochastic depth on both residual branches), and a final LayerNorm. Submodule and parameter
-names mirror timm's state-dict keys (``patch_embed``, ``cls_token``, ``pos_embed``,
-``blocks_3/attn/qkv``, ``norm``) so published PyTorch weights map by name
-(``jssl.models.torch_import``).
-
-Other input sizes (multi-crop's 96 px crops through a 224 px model) resample the position
-embeddings of the patch grid bicubically with antialiasing, as timm's
-``resample_abs_pos_embed`` does (DINO's ``interpolate_pos_encoding`` resizes by a scale factor
-without antialiasing: for downsizing the two differ slightly; jssl follows timm so that imported
-weights give timm's features).
-
-The trunk returns named taps (N, D) for feature extraction, linear probes and heads:
-
-  ``block1`` ... ``block{depth}``  the class token after each block, through the final norm
-                                   (DINO ``get_intermediate_layers``)
-  ``concat_cls4``                  the last 4 of those concatenated (DINO's ViT-S linear eval)
-  ``patch_avg``                    the mean of the last block's normed patch tokens
-  ``cls_patch_avg``                last class token and ``patch_avg`` concatenated (DINO's
-                                   ViT-B linear eval: ``--n_last_blocks 1 --avgpool_patchtokens``)
-  ``avgpool``                      the trunk's pooled output: the normed last class token, what
-                                   heads, kNN and the online probe read (the name is shared with
-                                   the ResNet trunks' pooled output so every method and
-                                   evaluator works on either trunk)
-  ``patch_tokens``                 (N, P, D): every normed patch token of the last block (the
-                                   visible ones with ``keep``), for masked-image methods
-
-What the masked-image methods need, as options of the one trunk: a learned mask token that
-replaces masked patches (``mask``: iBOT, DINOv2), only a subset of patches through the blocks
-(``keep``: MAE, MSN), register tokens (Darcet et al. 2024), LayerScale (Touvron et al. 2021,
-"Going deeper with image transformers"; DINOv2's blocks) and DINOv2's SwiGLU feed-forward.
-Stochastic depth draws each row's masks from a key given per row (``row_keys``), so a row's
-masks depend on the example, not on the device count or the micro-batch it runs in.
-
-Attention runs ``jax.nn.dot_product_attention`` with XLA's implementation or cuDNN's flash
-attention (``attention``; ``model.attention="auto"`` picks cuDNN on a GPU that has it).
-jax's cuDNN path refuses odd sequence lengths in training (197 tokens at 224 px, 37 at 96 px),
-so the trunk pads the tokens with zeros to a multiple of 8 once at its entry, masks the padded
-keys in every block (``key_value_seq_lengths``) and slices the padding off before any tap:
-the outputs and gradients are the unpadded ones (tests/models/test_vit_attention.py).
+DINO's ``vision_transformer.py`` and MoCo v3's ``vits.py`` also follow, and submodule names
+mirror timm's state-dict keys so published weights map by name (``jssl.models.vit_import``).
+Other input sizes resample the position embeddings as timm does (:func:`resample_pos_embed`).
+Options: a mask token (``mask``: iBOT, DINOv2), a subset of patches (``keep``: MAE, MSN),
+registers (Darcet et al. 2024), LayerScale and SwiGLU (DINOv2), stochastic depth keyed per
+row (``row_keys``). Attention is ``jax.nn.dot_product_attention``, XLA's or cuDNN's; for cuDNN,
+which refuses odd sequence lengths in training, the tokens are padded to a multiple of 8 and
+the padded keys masked, with the unpadded outputs and gradients
+(tests/models/test_vit_attention.py). The taps: :class:`VisionTransformer`,
+docs/evaluation.md#taps; the contract: docs/design.md#extension-points.
 """
 
 from __future__ import annotations
@@ -95,7 +63,9 @@ def _torch_conv_bias_init(fan_in: int):
 def resample_pos_embed(pos: jax.Array, grid: tuple[int, int]) -> jax.Array:
     """(1, h0 * w0, D) patch position embeddings on a square grid -> (1, h * w, D) for ``grid``
     = (h, w): bicubic (Keys, a = -0.5) with antialiasing when shrinking, which is
-    ``torch.nn.functional.interpolate(mode="bicubic", antialias=True)`` as timm calls it."""
+    ``torch.nn.functional.interpolate(mode="bicubic", antialias=True)`` as timm calls it, so
+    imported weights give timm's features (DINO's ``interpolate_pos_encoding`` resizes by a
+    scale factor without antialiasing, slightly different when shrinking)."""
     n, dim = pos.shape[1], pos.shape[2]
     side = int(round(n**0.5))
     if side * side != n:
@@ -301,7 +271,13 @@ class Block(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """ViT trunk returning the taps listed in the module docstring.
+    """ViT trunk returning named taps (N, D): ``block1`` .. ``block{depth}`` (the class token
+    after each block, through the final norm: DINO ``get_intermediate_layers``),
+    ``concat_cls4`` (the last 4 concatenated), ``patch_avg`` (the mean of the last block's
+    normed patch tokens), ``cls_patch_avg`` (the last class token and ``patch_avg``),
+    ``avgpool`` (the normed last class token, what heads, kNN and the probe read; named as the
+    ResNets' pooled output) and ``patch_tokens`` (N, P, D: every normed patch token of the last
+    block, the visible ones with ``keep``).
 
     ``image_size`` is the resolution the position embeddings are laid out for (224 for the
     published models); any other input size that the patch size divides is served by

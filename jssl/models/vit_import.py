@@ -1,21 +1,14 @@
 """Import PyTorch ViT weights (timm, DINO, MoCo v3, DINOv2) into jssl's ``VisionTransformer``.
 
-The first three publish the same state-dict layout (timm's ``VisionTransformer``, which DINO's
-``vision_transformer.py`` and MoCo v3's ``vits.py`` reuse): ``cls_token``, ``pos_embed``,
-``patch_embed.proj.{weight,bias}``, ``blocks.N.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.*``
-and ``norm.*``; a classifier or projection ``head.*`` is not part of the trunk and is dropped.
-DINOv2's ``DinoVisionTransformer`` (facebookresearch/dinov2 ``models/vision_transformer.py``)
-adds ``blocks.N.ls1.gamma`` / ``ls2.gamma`` (LayerScale), ``register_tokens`` and, for its
-SwiGLU trunks, ``blocks.N.mlp.w12`` / ``mlp.w3``: jssl's names for those (``torch_name``).
-timm's copies of the DINOv2 models (``vit_*_dinov2``) are read too: their ``reg_token``,
-packed SwiGLU ``mlp.fc1`` / ``mlp.fc2`` and class-token-free ``pos_embed`` (``no_embed_class``:
-the class token's position folded into it) become DINOv2's.
-Wrappers and prefixes are removed as for ResNets (``jssl.models.torch_import``): DINO's
-``teacher`` with ``backbone.``, MoCo v3's ``state_dict`` with ``module.base_encoder.``. A
-``.safetensors`` file (timm's hub files, jssl's export) is read without torch.
-
-Position embeddings laid out for another resolution than ``model.image_size`` (e.g. 224 px
-weights evaluated at 32 px) are resampled on import as timm does when it loads them.
+timm, DINO (``vision_transformer.py``) and MoCo v3 (``vits.py``) publish timm's
+``VisionTransformer`` layout; a classifier or projection ``head.*`` is dropped. DINOv2's
+``DinoVisionTransformer`` (facebookresearch/dinov2 ``models/vision_transformer.py``) adds
+LayerScale, ``register_tokens`` and SwiGLU (``mlp.w12`` / ``mlp.w3``): :func:`torch_name`.
+timm's copies of the DINOv2 models (``vit_*_dinov2``: ``reg_token``, packed SwiGLU, a
+class-token-free ``pos_embed``) become DINOv2's (:func:`dinov2_names`). Wrappers and prefixes
+are removed as for ResNets (``jssl.models.torch_import``); ``.safetensors`` files are read
+without torch. Position embeddings of another resolution than ``model.image_size`` are
+resampled on import as timm does. Flags per checkpoint: docs/evaluation.md#which-weights.
 """
 
 from __future__ import annotations
