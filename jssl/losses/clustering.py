@@ -1,22 +1,14 @@
 """DeepCluster-v2's pieces (Caron et al. 2020, "Unsupervised Learning of Visual Features by
 Contrasting Cluster Assignments", Sec. 4 and App. A): spherical k-means over a memory bank of
-embeddings, and the cross-entropy of the embeddings' cluster scores against the assignments.
+embeddings (:func:`kmeans`), and the cross-entropy of the embeddings' cluster scores against
+the assignments (:func:`cluster_prediction_loss`).
 
 Follows VISSL vissl/losses/deepclusterv2_loss.py (``cluster_memory``, ``forward``) and the SwAV
-repository's main_deepclusterv2.py (``cluster_memory``, ``train``): initial centroids are K
-distinct bank rows drawn at random; each iteration assigns every row to the centroid of
-largest dot product (the rows and centroids are unit vectors: cosine similarity), replaces each
-non-empty cluster's centroid by the mean of its rows (an empty one keeps its centroid) and
-L2-normalises the centroids; after ``num_iters`` iterations a last assignment step gives the
-assignments.
-
-Deliberate differences: the rows are processed in blocks of ``block_size`` (the (rows, K) score
-matrix of a whole ImageNet bank would not fit), and a cluster's sum is a one-hot matrix product
-(deterministic, unlike a scatter-add's float order on GPUs). Rows can be masked out (``valid``):
-they take no part and get the assignment -1, the ``ignore_index`` of the loss. With ``shards``
-the rows are ``shards`` contiguous parts, each summed on its own and the parts' sums added: a
-bank split over the devices that way (DeepCluster v2's) is clustered where it lies, XLA adding
-the parts with one all-reduce per iteration, as VISSL's processes do.
+repository's main_deepclusterv2.py (``cluster_memory``, ``train``). The rows are scored in
+blocks (a whole ImageNet bank's score matrix would not fit) and a cluster's sum is a one-hot
+matrix product, deterministic where a GPU scatter-add is not. With ``shards`` a bank split over
+the devices is clustered where it lies, XLA adding the parts' sums with one all-reduce per
+iteration, as VISSL's processes do. The method: docs/methods.md#deepcluster-v2.
 """
 
 from __future__ import annotations
@@ -102,7 +94,10 @@ def kmeans(
     block_size: int = BLOCK_SIZE,
     shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Spherical k-means from ``centroids`` (VISSL ``cluster_memory``; see the module).
+    """Spherical k-means from ``centroids`` (VISSL ``cluster_memory``): each iteration assigns
+    every row to the centroid of largest dot product (unit vectors: cosine), replaces each
+    non-empty cluster's centroid by its rows' mean (an empty one keeps its centroid) and
+    L2-normalises; a last assignment step after ``num_iters`` gives the assignments.
 
     Args:
       embeddings: (N, d) unit rows.

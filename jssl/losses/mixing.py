@@ -4,25 +4,11 @@ al. 2019, "CutMix"), with timm's semantics (``timm/data/mixup.py`` ``Mixup``,
 ``timm/loss/cross_entropy.py`` ``SoftTargetCrossEntropy``), as pure functions of one key per
 pair of examples.
 
-Per pair (a, b), with probability ``mix_prob``: CutMix with probability ``switch_prob`` (when
-both alphas are positive), else mixup. Mixup draws lam ~ Beta(mixup_alpha, mixup_alpha) and
-gives a the image lam a + (1 - lam) b, b the image lam b + (1 - lam) a. CutMix draws lam ~
-Beta(cutmix_alpha, cutmix_alpha), a box of side int(H sqrt(1 - lam)) x int(W sqrt(1 - lam))
-centred on a uniform pixel, clipped to the image, swaps the box's pixels between a and b and
-corrects lam to 1 - (clipped box area) / (H W) (timm's ``correct_lam``). Each example's target
-is lam times its own label's smoothed one-hot plus (1 - lam) times its partner's, smoothing s
-giving 1 - s + s / K on the label and s / K elsewhere (timm's ``mixup_target``).
-
-Deliberate differences from timm:
-- Partners: timm pairs example i with N - 1 - i of each process's batch, so the pairs change
-  with the number of devices. Here the partners are the adjacent rows (2j, 2j + 1) of the
-  global batch, which stay on one device, and in one micro-batch, whenever the local batch
-  (micro-batch) is even: the same pairs on any number of devices, without communication.
-- Draws: one per pair (timm's ``mode="pair"``), from a key the caller derives from the step
-  and the pair's first example (its dataset index), so a run mixes the same way on any number
-  of devices, in any micro-batch and across a resume. MAE's recipe uses timm's default
-  ``mode="batch"``: one lam and one mixup-or-CutMix choice per GPU batch.
-- The random draws are JAX's, not NumPy's: the same distributions, other numbers.
+The partners are the adjacent rows (2j, 2j + 1) of the global batch and each pair draws its
+own mix (:func:`draw_pair_mix`) from a key of the step and its first example, so a run mixes
+the same way on any number of devices, in any micro-batch and across a resume; timm pairs i
+with N - 1 - i of each GPU's batch and MAE's recipe draws once per batch. The differences
+from timm: docs/methods.md#fine-tuning-a-vit-finetune_vit.
 """
 
 from __future__ import annotations
