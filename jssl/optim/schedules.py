@@ -5,22 +5,13 @@ VISSL's ``param_schedulers.lr`` maps onto ``schedule`` (``multistep`` | ``cosine
 ``composite`` of a ``linear`` warmup and the schedule (fvcore ``CompositeParamScheduler``),
 ``interval_scaling`` of the part after the warmup (``[rescaled, fixed]`` in VISSL's SimCLR and
 SwAV recipes: the cosine runs on the global progress, so the rate drops at the end of the
-warmup), ``update_interval: step | epoch``,
-and ``auto_lr_scaling`` as ``vissl/utils/hydra_config.py`` rewrites the schedule
-(``infer_learning_rate``, ``get_scaled_lr_scheduler``, ``resolve_linear_schedule``):
-
-- the peak is ``base_lr * batch / base_lr_batch_size`` (``lr_scaling="sqrt"``: the square
-  root of that factor); the cosine ends at ``peak * final_lr_fraction`` (VISSL keeps the
-  ratio ``end_value / start_value`` of the YAML);
-- the warmup ends at the peak and, with ``warmup_start_nodes > 0``, starts at the base rate
-  scaled linearly to the batch of one node (VISSL overwrites the YAML's ``start_value``);
-  on one node a warmup that would not climb is dropped.
-
-The rate at optimizer step ``k`` is VISSL's at ``where = k / total_steps``: ClassyVision sets
-the rate from ``task.where`` right before each update and counts the update afterwards.
-Where VISSL's float64 arithmetic decides a jump (the warmup's end, a restart), the step it
-happens at is found on the host in float64, so the jump falls on VISSL's step. The restarts'
-waves are in :mod:`jssl.optim.restart_schedules`.
+warmup) and ``update_interval: step | epoch``; ``auto_lr_scaling`` as
+``vissl/utils/hydra_config.py`` rewrites the schedule (``peak_learning_rate``,
+``warmup_start_learning_rate``, ``build_schedule``). The rate at optimizer step ``k`` is
+VISSL's at ``where = k / total_steps`` (ClassyVision sets it from ``task.where`` right before
+each update and counts the update afterwards); where VISSL's float64 arithmetic decides a jump
+(the warmup's end, a restart), the step is found on the host in float64, so the jump falls on
+VISSL's step. The restarts' waves are in :mod:`jssl.optim.restart_schedules`.
 """
 
 from __future__ import annotations
@@ -117,7 +108,10 @@ def build_schedule(
     Milestones and warmup are given in epochs (VISSL's ``lengths`` are fractions of the run:
     ``warmup_epochs = lengths[0] * num_epochs``). The rate at step ``k`` is VISSL's at
     ``where = k / total_steps`` (ClassyVision steps the schedule before the update); with
-    ``update_interval="epoch"`` it changes only at epoch boundaries.
+    ``update_interval="epoch"`` it changes only at epoch boundaries. The cosine ends at
+    ``peak * final_lr_fraction`` (VISSL keeps the YAML's ``end_value / start_value``); on one
+    node (``warmup_start_nodes=1``) a warmup that would not climb is dropped, as VISSL's
+    ``resolve_linear_schedule`` does.
     """
     scaling = _choice(optim_config, "interval_scaling", INTERVAL_SCALINGS)
     peak = peak_learning_rate(optim_config, global_batch)
