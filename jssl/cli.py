@@ -3,22 +3,15 @@ r"""The ``jssl`` command (and ``python launch.py``): flags, process set-up, one 
   jssl --config=configs/moco.py:demo --workdir=runs/demo
   jssl --config=configs/moco.py --config.optim.base_lr=0.06 --workdir=runs/moco
 
-``--config`` is a path to a config file, relative to the working directory; the checkout it
-lives in is put on ``sys.path`` so that its ``from configs import base`` resolves from any
-directory, and a config file outside a checkout imports the ``configs`` package installed with
-jssl (a module it imports that Python cannot find fails naming the file and the fix). An
-override the field cannot take (``--config.data.batch_size=abc``,
-``--config.data.augment.num_crops=abc``) fails before anything runs, naming the field, the value
-and the type it takes (``parse_flags``).
-
-Multi-host: run the same command on every host with --coordinator_address=HOST:PORT
---num_processes=N --process_id=I (or let SLURM / TPU pods provide them). A process that fails
-stops them all, each naming the one that failed and why (jssl.process.stop_together); one that
-waits longer than --initialization_timeout seconds for the others to connect stops, saying what
-it waited for (jssl.parallel.initialize).
-
-Exit status: 0 finished, 75 stopped by SIGTERM (or a first Ctrl-C) after saving a checkpoint
-(rerun the same command to resume), anything else a failure.
+``--config`` is a config file, relative to the working directory; the checkout it lives in is
+put on ``sys.path`` (so its ``from configs import base`` resolves from any directory), and a
+file outside a checkout imports the ``configs`` package installed with jssl. A module it cannot
+import, or an override the field cannot take (``--config.data.batch_size=abc``), fails before
+anything runs, naming the file or the field, the value and the type (``parse_flags``).
+Multi-host: the same command on every host with --coordinator_address, --num_processes and
+--process_id (or from SLURM / TPU pods); a process that fails stops them all
+(jssl.process.stop_together). Exit status: 0 finished, 75 stopped by SIGTERM or a first Ctrl-C
+after saving what is done (rerun the same command to resume), anything else a failure.
 """
 
 from __future__ import annotations
