@@ -227,78 +227,93 @@ def build_train_dataset(
     # Positions in this process's stream of the epoch: row r of its batch t is position
     # t * local_batch + r.
     first, end = start_step * local_batch, steps * local_batch
-    skip_corrupt = data_config.skip_corrupt
-
+    epoch_rows = _EpochRows(data_config, source, seed, epoch, process_index, process_count)
     cached = data_config.cache and source.kind == "tfds"
-    # Training decodes to uint8: the host path converts to float in _crops_fn, and
-    # data.augment.on_device crops and resizes the uint8 image without converting it whole.
-    decode = decoding.decode_image_uint8
-    if cached or source.random_access:
-        stream = order.process_order(
-            order.epoch_order(source.num_examples, data_config.batch_size, seed=seed, epoch=epoch),
-            process_index,
-            process_count,
-        )
     if source.kind == "folder" and data_config.cache:
         logging.info("data.cache is not used for image folders; the OS page cache serves.")
     if cached:
-        ds = _cached_rows(data_config, source, stream, first, end)
+        ds = _cached_rows(data_config, source, epoch_rows.stream(), first, end)
     elif source.random_access:
-        if skip_corrupt:
-            positions = tf.data.Dataset.range(first, end)
-            checked = _checked_images(source, stream, positions, first, True, decode)
-            restart = _checked_images(
-                source, stream, tf.data.Dataset.range(0, end), 0, True, decode
-            )
-            ds = order.replace_unreadable(checked, restart, end - first)
-        else:
-            # One position past the end (wrapping) lets the scan see a hole at the very end.
-            positions = tf.data.Dataset.range(first, end + 1)
-            ds = _checked_images(source, stream, positions, first, False, decode)
-            # One lambda per line: autograph finds a lambda's source by its line, and warns on
-            # every run when two share one.
-            ds = ds.filter(lambda r: r["position"] < end)
-            ds = ds.map(lambda r: order.train_row(r, False))
+        ds = epoch_rows.random_access(first, end)
     else:
-        ranges = order.stream_block_ranges(
-            source.num_examples,
-            end,
-            seed=seed,
-            epoch=epoch,
-            process_index=process_index,
-            process_count=process_count,
-        )
-
-        # Built once: each as_dataset call costs tens of ms, and the datasets are reusable.
-        parts = [source.read(start, stop) for start, stop in ranges]
-
-        def records(skip: int) -> tf.data.Dataset:
-            ds = _streamed_records(data_config, parts, end, seed, epoch)
-            ds = ds.skip(skip).take(end - skip)  # skip before decoding: resuming is cheap
-            return ds.map(
-                lambda r: {**r, "image": decode(r["image"], is_path=False)},
-                num_parallel_calls=AUTOTUNE,
-                deterministic=True,
-            )
-
-        if skip_corrupt:
-
-            def describe(position):
-                return tf.strings.format(
-                    "at position {} of this process's stream of split {}", (position, source.split)
-                )
-
-            checked = order.with_gaps(records(first).ignore_errors(), first, True, describe)
-            restart = order.with_gaps(records(0).ignore_errors(), 0, True, describe)
-            ds = order.replace_unreadable(checked, restart, end - first)
-        else:  # a decoding error propagates as it is
-            ds = records(first).map(lambda r: order.train_row(r, False))
-
+        ds = epoch_rows.streamed(first, end)
     ds = ds.map(
         _crops_fn(data_config, seed, epoch), num_parallel_calls=AUTOTUNE, deterministic=True
     )
     ds = ds.batch(local_batch, drop_remainder=True).take(steps - start_step)
     return _options(ds.prefetch(AUTOTUNE))
+
+
+class _EpochRows:
+    """The decoded rows of this process's stream of one epoch, positions first .. end - 1, from
+    a random-access source (by index, in jssl.data.order's order) or a streamed one (blocks of
+    TFDS records shuffled in a buffer), unreadable images named or replaced (skip_corrupt)."""
+
+    # Training decodes to uint8: the host path converts to float in _crops_fn, and
+    # data.augment.on_device crops and resizes the uint8 image without converting it whole.
+    decode = staticmethod(decoding.decode_image_uint8)
+
+    def __init__(self, data_config, source, seed, epoch, process_index, process_count):
+        self.config, self.source, self.seed, self.epoch = data_config, source, seed, epoch
+        self.process = (process_index, process_count)
+
+    def stream(self) -> np.ndarray:
+        """The dataset indices of this process's stream, position by position."""
+        global_order = order.epoch_order(
+            self.source.num_examples, self.config.batch_size, seed=self.seed, epoch=self.epoch
+        )
+        return order.process_order(global_order, *self.process)
+
+    def random_access(self, first: int, end: int) -> tf.data.Dataset:
+        stream, source = self.stream(), self.source
+        if self.config.skip_corrupt:
+            positions = tf.data.Dataset.range(first, end)
+            checked = _checked_images(source, stream, positions, first, True, self.decode)
+            restart = _checked_images(
+                source, stream, tf.data.Dataset.range(0, end), 0, True, self.decode
+            )
+            return order.replace_unreadable(checked, restart, end - first)
+        # One position past the end (wrapping) lets the scan see a hole at the very end.
+        positions = tf.data.Dataset.range(first, end + 1)
+        ds = _checked_images(source, stream, positions, first, False, self.decode)
+        # One lambda per line: autograph finds a lambda's source by its line, and warns on
+        # every run when two share one.
+        ds = ds.filter(lambda r: r["position"] < end)
+        return ds.map(lambda r: order.train_row(r, False))
+
+    def streamed(self, first: int, end: int) -> tf.data.Dataset:
+        source, (process_index, process_count) = self.source, self.process
+        ranges = order.stream_block_ranges(
+            source.num_examples,
+            end,
+            seed=self.seed,
+            epoch=self.epoch,
+            process_index=process_index,
+            process_count=process_count,
+        )
+        # Built once: each as_dataset call costs tens of ms, and the datasets are reusable.
+        parts = [source.read(start, stop) for start, stop in ranges]
+
+        def records(skip: int) -> tf.data.Dataset:
+            ds = _streamed_records(self.config, parts, end, self.seed, self.epoch)
+            ds = ds.skip(skip).take(end - skip)  # skip before decoding: resuming is cheap
+            return ds.map(
+                lambda r: {**r, "image": self.decode(r["image"], is_path=False)},
+                num_parallel_calls=AUTOTUNE,
+                deterministic=True,
+            )
+
+        if not self.config.skip_corrupt:  # a decoding error propagates as it is
+            return records(first).map(lambda r: order.train_row(r, False))
+
+        def describe(position):
+            return tf.strings.format(
+                "at position {} of this process's stream of split {}", (position, source.split)
+            )
+
+        checked = order.with_gaps(records(first).ignore_errors(), first, True, describe)
+        restart = order.with_gaps(records(0).ignore_errors(), 0, True, describe)
+        return order.replace_unreadable(checked, restart, end - first)
 
 
 def build_eval_dataset(
