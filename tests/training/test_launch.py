@@ -67,7 +67,7 @@ def test_unknown_preset_fails_naming_the_presets(tmp_path, shared_dirs):
     result = run_launch(tmp_path / "run", shared_dirs, preset="nope")
     assert result.returncode != 0
     assert "'nope'" in result.stderr
-    assert "'imagenet', 'demo' or 'test'" in result.stderr
+    assert "'imagenet', 'demo', 'test'" in result.stderr
 
 
 def test_knn_comparison_line(tmp_path, shared_dirs):
