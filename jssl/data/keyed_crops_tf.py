@@ -33,20 +33,23 @@ def example_words(key: tf.Tensor, num_crops: int) -> tf.Tensor:
     return tf.reshape(words, [num_crops, -1])[:, : keyed_crops.WORDS]
 
 
-def crop_window(height, width, scale, ratio, draws: tf.Tensor) -> tf.Tensor:
-    """keyed_crops.crop_window in float64 ops: int32 (top, left, h, w) from the 4 *
-    _MAX_ATTEMPTS uniform ``draws`` (float64), the first attempt that fits or the whole image."""
-    a = tf.reshape(draws, [-1, 4])
-    aspect = a[:, 0] * (ratio[1] - ratio[0]) + ratio[0]
+def crop_windows(height, width, scales, ratio, draws: tf.Tensor) -> tf.Tensor:
+    """keyed_crops.crop_window of every crop at once, in float64 ops: int32 (num_crops, 4)
+    (top, left, h, w) from (num_crops, 4 * _MAX_ATTEMPTS) uniform ``draws`` (float64), each
+    crop's area range in ``scales`` ((low, high) per crop), its first attempt that fits or the
+    whole image. One set of ops for all crops: per crop, they would cost multi-crop a tenth."""
+    a = tf.reshape(draws, [tf.shape(draws)[0], -1, 4])  # (crops, attempts, 4)
+    aspect = a[..., 0] * (ratio[1] - ratio[0]) + ratio[0]
     fh, fw = tf.cast(height, tf.float64), tf.cast(width, tf.float64)
-    min_area, max_area = scale[0] * fw * fh, scale[1] * fw * fh
+    low, high = (tf.constant([[s[i]] for s in scales], tf.float64) for i in (0, 1))
+    min_area, max_area = low * fw * fh, high * fw * fh
     h = tf.round(tf.sqrt(min_area / aspect))
     max_h = tf.round(tf.sqrt(max_area / aspect))
     narrow = tf.floor((fw + 0.5 - 1e-7) / aspect)
     narrow = tf.where(tf.round(narrow * aspect) > fw, narrow - 1, narrow)
     max_h = tf.minimum(tf.where(tf.round(max_h * aspect) > fw, narrow, max_h), fh)
     h = tf.minimum(h, max_h)
-    h = tf.where(h < max_h, h + tf.floor(a[:, 1] * (max_h - h + 1)), h)
+    h = tf.where(h < max_h, h + tf.floor(a[..., 1] * (max_h - h + 1)), h)
     # w is round(h * aspect) of the h at hand: one step up where too small, one down if too big.
     h = tf.where(tf.round(h * aspect) * h < min_area, h + 1, h)
     h = tf.where(tf.round(h * aspect) * h > max_area, h - 1, h)
@@ -54,9 +57,11 @@ def crop_window(height, width, scale, ratio, draws: tf.Tensor) -> tf.Tensor:
     area = w * h
     fits = (area >= tf.maximum(min_area, 1.0)) & (area <= max_area)
     fits &= (w <= fw) & (h <= fh) & (w > 0)
-    top = tf.where(h < fh, tf.floor(a[:, 2] * (fh - h)), 0.0)
-    left = tf.where(w < fw, tf.floor(a[:, 3] * (fw - w)), 0.0)
-    boxes = tf.stack([top, left, h, w], axis=1)
-    first = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
-    whole = tf.stack([0.0, 0.0, fh, fw])
-    return tf.cast(tf.where(tf.reduce_any(fits), boxes[first], whole), tf.int32)
+    top = tf.where(h < fh, tf.floor(a[..., 2] * (fh - h)), 0.0)
+    left = tf.where(w < fw, tf.floor(a[..., 3] * (fw - w)), 0.0)
+    boxes = tf.stack([top, left, h, w], axis=-1)  # (crops, attempts, 4)
+    first = tf.argmax(tf.cast(fits, tf.int32), axis=1, output_type=tf.int32)
+    chosen = tf.gather(boxes, first, batch_dims=1)
+    whole = tf.broadcast_to(tf.stack([0.0, 0.0, fh, fw]), tf.shape(chosen))
+    found = tf.reduce_any(fits, axis=1, keepdims=True)
+    return tf.cast(tf.where(found, chosen, whole), tf.int32)

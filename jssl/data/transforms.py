@@ -311,14 +311,16 @@ def host_crops(
     uniforms = tf.cast(words[:, keyed_crops.SEED_WORDS :], tf.float64) / 2.0**32
     seeds = tf.reshape(words[:, : keyed_crops.SEED_WORDS], [num_crops, 3, 2])
     shape = tf.shape(image)
+    scales = [group.scale for group in groups for _ in range(group.num_crops)]
+    boxes = keyed_crops_tf.crop_windows(
+        shape[0], shape[1], scales, augment.crop_ratio, uniforms[:, 1:]
+    )
     scale = 255.0 if image.dtype.is_floating else 1.0
     out_crops, out_seeds, c = [], [], 0
     for group in groups:
         views = []
         for _ in range(group.num_crops):
-            box = keyed_crops_tf.crop_window(
-                shape[0], shape[1], group.scale, augment.crop_ratio, uniforms[c, 1:]
-            )
+            box = boxes[c]
             crop = tf.slice(image, [box[0], box[1], 0], [box[2], box[3], 3])
             # Resize gives float32 in the input's range: [0, 255] from uint8 (cached splits),
             # [0, 1] from the float decoders.
