@@ -12,10 +12,10 @@ temporary directory, or reads --data_dir if given. Prints examples/s and crops/s
     python benchmarks/input_pipeline.py --source=folder --image_size=224 --batch_size=64 \
         --compare_on_device
 
---compare_on_device times both host paths in one run, the full augmentation on the host and
-the crop + flip only of data.augment.on_device=True (its host cost), prints their ratio, then
-times the jitted on-device augmentation alone (jssl.data.device_augment) on a batch of uint8
-crops of the same shapes on this process's first JAX device: what it adds to the train step.
+--compare_on_device times tf.data's two host paths in one run, the full augmentation on the
+host and the crop + flip only of data.augment.on_device=True (its host cost), prints their
+ratio, then times the jitted on-device augmentation alone (jssl.data.device_augment) on a batch
+of uint8 crops of the same shapes on this process's first JAX device: what it adds to the step.
 
     python benchmarks/input_pipeline.py --source=folder --image_size=224 --batch_size=64 \
         --compare_loaders                     # MoCo's and DINO's views, tf.data and grain
@@ -273,6 +273,10 @@ def compare_host_paths(config, args, label: str) -> tuple[list[dict], list[str]]
     """One host path (--on_device), or with --compare_on_device both and the on-device
     augmentation's own time: the rows and the ratio."""
     paths = [False, True] if args.compare_on_device else [args.on_device]
+    if args.compare_on_device:  # tf.data's two host paths (grain and numpy crop on the host)
+        if args.loader not in ("auto", "tf"):
+            raise SystemExit(f"--compare_on_device times tf.data: drop --loader={args.loader}")
+        config.loader = "tf"
     total_crops = data.total_crops(config)
     rates, rows, headline = {}, [], []
     for on_device in paths:
