@@ -37,21 +37,34 @@ LONGEST_FIRST = (
 )
 
 
+# The tiers beyond the README's test command: marker -> the variable that runs its tests.
+TIERS = {
+    # Whole engine runs in subprocesses, and one computation compared across device or process
+    # counts (resume, preemption, multi-host, sharding, accumulation): .ci/run runs them after
+    # the default tier.
+    "e2e": "JSSL_E2E_TESTS",
+    # Minutes each: every demo run to its goal, and runs whose property a CI test holds.
+    "slow": "JSSL_SLOW_TESTS",
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` (minutes each: the full demo run) run only with JSSL_SLOW_TESTS=1,
-    so that the default suite stays within CI's budget; the LONGEST_FIRST files go first."""
+    """Tests of a tier (``e2e``, ``slow``) run only with its variable set to 1, so that the
+    default suite is a contributor's loop (under 10 minutes on 2 cores); the LONGEST_FIRST
+    files go first."""
 
     def rank(item) -> int:
         name = os.path.basename(str(item.fspath))
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order inside each file and among the rest is kept
-    if os.environ.get("JSSL_SLOW_TESTS") == "1":
-        return
-    skip = pytest.mark.skip(reason="slow: set JSSL_SLOW_TESTS=1 to run")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    for marker, variable in TIERS.items():
+        if os.environ.get(variable) == "1":
+            continue
+        skip = pytest.mark.skip(reason=f"{marker} tier: set {variable}=1 to run")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)

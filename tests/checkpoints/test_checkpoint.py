@@ -117,6 +117,7 @@ def test_every_checkpoint_corrupt_raises(workdir, shared_dirs):
     assert os.path.join(directory, "2") in message and os.path.join(directory, "4") in message
 
 
+@pytest.mark.e2e
 def test_partial_save_of_a_killed_process_is_ignored(workdir, shared_dirs, caplog):
     caplog.set_level(logging.INFO)
     directory = checkpoint.checkpoint_dir(workdir)
@@ -252,6 +253,7 @@ for async_save, bypass_probe in [(a, b) for a in (True, False) for b in (False, 
 """
 
 
+@pytest.mark.e2e
 def test_a_failed_save_raises_at_once_and_the_process_exits(tmp_path):
     script = _FAILED_SAVE.format(tests=os.path.dirname(__file__), tmp=str(tmp_path))
     start = time.perf_counter()

@@ -90,6 +90,7 @@ def test_epoch_order_is_a_fresh_permutation():
         data.process_order(orders[0], 0, 3)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("source", ["demo_cached", "folder", "array_record"])
 def test_global_batch_does_not_depend_on_process_count(source, demo_dir, tmp_path, request):
     if source == "folder":

@@ -301,6 +301,7 @@ def sharded_views(out_path: str) -> None:
     np.savez(out_path, devices=len(jax.devices()), **{f"g{g}": v for g, v in enumerate(views)})
 
 
+@pytest.mark.e2e
 def test_views_deterministic_and_the_same_on_1_and_4_devices(tmp_path):
     config, batch = _fixed_batch()
     augment = jax.jit(dev.make_batch_augment(config))
@@ -327,6 +328,7 @@ def test_views_deterministic_and_the_same_on_1_and_4_devices(tmp_path):
         np.testing.assert_allclose(results[4][f"g{g}"], results[1][f"g{g}"], atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_on_device_run_trains(tmp_path_factory, tmp_path):
     from support.launch import enable_compilation_cache, prepare_shared_dirs
 

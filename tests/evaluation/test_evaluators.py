@@ -61,6 +61,7 @@ def _evaluate_config(shared_dirs, checkpoint):
     return config
 
 
+@pytest.mark.e2e
 def test_evaluate_equals_the_standalone_engines_and_records_the_protocol(
     shared_dirs, trained, tmp_path, capsys
 ):

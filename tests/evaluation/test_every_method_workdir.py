@@ -30,6 +30,8 @@ from configs import export, extract_features, knn
 from jssl import engines, methods, models
 from jssl.checkpoints import source_model, weights
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 CI = ("moco", "ibot", "dinov2", "msn", "mae")
 
 

@@ -222,6 +222,7 @@ def _assert_same_files(a, b):
             np.testing.assert_array_equal(value, b[key], err_msg=str(key))
 
 
+@pytest.mark.e2e
 def test_four_devices_and_two_processes_match(shared_dirs, trained, extracted, tmp_path):
     # The 4-device run first, then the two processes: all three at once on the 2-core machine
     # made one of them fail intermittently (start-up timing of jax.distributed under load).

@@ -75,6 +75,7 @@ PER_EXAMPLE = ("byol", "simsiam", "supervised")
 COVERED = ("mocov3", "vicreg", "ibot", "dinov2", "msn", "mae")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "name",
     [
@@ -121,6 +122,7 @@ def _rows(batch, start, stop):
     return jax.tree.map(lambda x: x[start:stop], batch)
 
 
+@pytest.mark.e2e
 def test_batch_norm_statistics_are_the_micro_batches_mean():
     config = _config("moco")  # ResNet with batch norm, per device
     config.method.shuffle_bn = False

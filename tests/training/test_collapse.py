@@ -276,6 +276,7 @@ def _collapsing_config(shared_dirs, on_collapse):
     return config
 
 
+@pytest.mark.e2e
 def test_collapsing_run_stops_early_after_saving(tmp_path, shared_dirs, monkeypatch):
     from support.launch import read_events, scalar_values
     from support.runs import checkpoint_steps

@@ -14,7 +14,10 @@ import os
 import sys
 
 import numpy as np
+import pytest
 from support.hlo_order import unordered
+
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
 
 # A conditional whose branch holds an all-gather, beside an all-reduce that nothing orders
 # against it, as XLA prints an optimized module (abridged).

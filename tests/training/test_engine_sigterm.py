@@ -22,6 +22,8 @@ from jssl import engines
 from jssl.engines import extract_features, linear_eval
 from jssl.evaluation import linear
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 
 @pytest.fixture(scope="module")
 def blob_features(tmp_path_factory):

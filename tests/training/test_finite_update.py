@@ -130,6 +130,7 @@ def test_auto_selects_off_cpu_and_an_unknown_guard_is_refused():
         make_train_step(method, tx, schedule, mesh, finite_update="where")
 
 
+@pytest.mark.e2e
 def test_select_keeps_a_split_state_sharded_on_8_devices(tmp_path):
     from support.devices import run_on_devices
 

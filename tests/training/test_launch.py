@@ -70,6 +70,7 @@ def test_unknown_preset_fails_naming_the_presets(tmp_path, shared_dirs):
     assert "'imagenet', 'demo', 'test'" in result.stderr
 
 
+@pytest.mark.e2e
 def test_knn_comparison_line(tmp_path, shared_dirs):
     result = run_launch(
         tmp_path / "run",

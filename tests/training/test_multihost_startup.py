@@ -11,6 +11,8 @@ import time
 import pytest
 from support.launch import REPO, free_port, launch_args, launch_env, prepare_shared_dirs
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 # Far below jax's 300 s; the processes start (imports, demo data) well within it.
 STARTED_WITHIN_S = 150
 

@@ -21,6 +21,8 @@ from support.runs import assert_states_close, checkpoint_steps, load_checkpoint
 
 from jssl.training.preemption import PREEMPTED_EXIT_CODE
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 EPOCHS, STEPS_PER_EPOCH = 3, 4
 TOTAL = EPOCHS * STEPS_PER_EPOCH
 OVERRIDES = (

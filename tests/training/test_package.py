@@ -18,6 +18,8 @@ from support.launch import REPO, launch_env
 
 from jssl import cli
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 # A user's own config file, kept outside any checkout: it starts from jssl's MoCo recipe.
 OWN_CONFIG = """
 from configs import moco

@@ -16,6 +16,8 @@ from support.step_parity import configure
 from jssl import methods
 from jssl.checkpoints import weights
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "support", "step_parity.py")
 

@@ -29,6 +29,8 @@ from support.runs import (
 from jssl.engines import train
 from jssl.training import preemption
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 
 @pytest.fixture(scope="module")
 def compilation_cache(shared_dirs):

@@ -28,6 +28,8 @@ from support.runs import (
 from jssl.engines import train
 from jssl.training.preemption import PREEMPTED_EXIT_CODE
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 # 2 epochs of 4 steps; a synchronous checkpoint every 2 steps, so steps 2 and 6 are
 # mid-epoch ones (4 and 8 end an epoch).
 RESUME_OVERRIDES = (

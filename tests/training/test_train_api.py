@@ -9,6 +9,8 @@ from support.runs import checkpoint_steps, load_checkpoint, make_config
 import jssl
 from jssl import data
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 
 def _pipeline_batches(config):
     """The batches jssl's own pipeline gives, as a caller's loader would: epoch -> batches."""

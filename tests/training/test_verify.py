@@ -16,6 +16,8 @@ import sys
 import jax
 import pytest
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (JSSL_E2E_TESTS=1)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICES = 4
 
