@@ -218,8 +218,9 @@ def test_the_data_wait_is_measured_and_warned_about(shared_dirs, tmp_path, monke
     _check_against_the_timer(slow)
     # The caller's iterator sets the pace once the batches read during compilation are used,
     # and the loop waits for most of it (its own work overlaps the read of the next batch).
-    assert slow["images"] / slow["images_per_sec"][STEPS] / LOG_EVERY == pytest.approx(
-        slow["batch_seconds"], rel=0.05
-    )
+    # The last two intervals: one of them may hold a step slowed by a neighbouring test.
+    paces = [slow["images"] / slow["images_per_sec"][s] / LOG_EVERY for s in (STEPS - 2, STEPS)]
+    assert min(paces) == pytest.approx(slow["batch_seconds"], rel=0.05), paces
+    assert max(paces) < 1.5 * slow["batch_seconds"], paces
     assert min(slow["data_wait_fraction"][s] for s in (STEPS - 2, STEPS)) > 0.85, slow
     assert len([w for w in slow["warnings"] if "waited for data" in w]) == 1, slow["warnings"]
