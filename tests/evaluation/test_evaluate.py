@@ -120,6 +120,7 @@ def test_evaluation_reads_the_trunk_whatever_the_head(shared_dirs, trained_workd
         knn_engine.run(config, str(tmp_path / "head"))
 
 
+@pytest.mark.e2e
 def test_knn_on_a_dino_vit_workdir(shared_dirs, tmp_path):
     """Another method's workdir on a trunk without batch norm: DINO's test ViT with BN in its
     head (as the ViT demo), so the checkpoint has batch_stats but the trunk none, evaluated by

@@ -2,11 +2,13 @@
 the frozen trunk read the demo data through grain's worker-free threads, each split once."""
 
 import numpy as np
+import pytest
 
 from configs import extract_features, linear_eval, moco
 from jssl import engines
 
 
+@pytest.mark.e2e
 def test_train_extract_and_linear_eval_on_grain(tmp_path):
     config = moco.get_config("test")
     config.data.update(dict(loader="grain", workers=0, train_subset=32))

@@ -12,6 +12,7 @@ import pytest
 from support.launch import read_events, run_launch, scalar_values
 
 
+@pytest.mark.e2e
 def test_launch_writes_config_checkpoints_and_summaries(tmp_path, shared_dirs):
     workdir = tmp_path / "run"
     result = run_launch(workdir, shared_dirs, "--config.optim.base_lr=0.05")

@@ -140,6 +140,7 @@ def test_family_weights_multiply_and_exact_defaults():
     assert float(common.loss_weights(ml_collections.ConfigDict(), specs)(0)["ce_crop1"]) == 0.5
 
 
+@pytest.mark.e2e
 def test_ramped_weight_is_applied_logged_and_resumed_mid_ramp(tmp_path, shared_dirs):  # noqa: F811
     overrides = {
         "log_every_steps": 1,

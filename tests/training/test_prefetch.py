@@ -207,6 +207,7 @@ def _check_against_the_timer(run: dict) -> None:
         assert step_wall == pytest.approx(wall - blocked, abs=0.02 * wall)
 
 
+@pytest.mark.e2e
 def test_the_data_wait_is_measured_and_warned_about(shared_dirs, tmp_path, monkeypatch):
     # On fast batches the loop barely waits. (A timer around its gets would also count the
     # milliseconds the prefetch thread holds the GIL, as large as a step of the test preset.)

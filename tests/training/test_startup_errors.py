@@ -56,6 +56,7 @@ def test_probe_with_fewer_classes_than_the_data_is_refused(shared_dirs):
     probe.check_num_classes(config)
 
 
+@pytest.mark.e2e
 def test_non_finite_probe_stops_the_run(tmp_path, shared_dirs):
     # A probe learning rate near float32's maximum overflows the probe's logits after a
     # step; the method's own loss stays finite, so only the probe's guard can catch it.

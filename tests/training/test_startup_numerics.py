@@ -50,6 +50,7 @@ def _own_batches(config, steps: int) -> list[dict]:
     return [batch for batch, _ in zip(dataset.as_numpy_iterator(), range(steps), strict=False)]
 
 
+@pytest.mark.e2e
 def test_a_nan_pixel_names_its_example_and_keeps_the_steps_before(tmp_path, shared_dirs):
     config = make_config(shared_dirs, **{"knn.enabled": False, "num_epochs": 1})
     steps = data.steps_per_epoch(config.data)
