@@ -47,6 +47,7 @@ def _write_folder(root):
                 Image.fromarray(pixels).save(root / split / f"class{c}" / f"{i}.png")
 
 
+@pytest.mark.e2e
 def test_image_folder_trains_where_tensorflow_is_missing(tmp_path, tmp_path_factory):
     folder, workdir = tmp_path / "images", tmp_path / "run"
     _write_folder(folder)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from support.hidden_imports import hiding
 from support.launch import REPO, TIMEOUT_S, launch_args, launch_env, read_events, shared_cache_dir
@@ -125,6 +126,7 @@ def test_writer_without_tensorflow_writes_readable_events(tmp_path):
     assert values["weights"].shape == (5, 3) and values["weights"][:, 2].sum() == 10
 
 
+@pytest.mark.e2e
 def test_demo_trains_where_tensorflow_is_missing(tmp_path, tmp_path_factory):
     # The test preset's first steps, as `python launch.py` runs them on a host without TF.
     workdir = tmp_path / "run"
