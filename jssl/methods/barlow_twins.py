@@ -15,52 +15,26 @@ step. Recipe and deliberate differences: docs/methods.md#barlow-twins.
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
-import jax.numpy as jnp
 import ml_collections
 
-from jssl import losses, models
-from jssl.methods import Forward, Method, Objective, common
+from jssl import losses
+from jssl.methods import Method, Objective, single_network
 from jssl.parallel import DATA_AXIS
 
 TERMS = ("invariance", "redundancy_reduction")
 
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
-    mcfg = config.method
-    model = models.build_model(
-        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
-    )
-
-    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
-        variables = model.init(rng, images, train=False)
-        return dict(params=variables["params"], batch_stats=variables.get("batch_stats", {}))
-
-    def forward(params, state, batch, rng, train: bool = True) -> Forward:
-        out, batch_stats = common.forward_crops(
-            model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
-        )
-        views = common.split_crops(out["head"].astype(jnp.float32), 2)  # (2, n, d)
-        n = views.shape[1]
-        return Forward(
-            embeddings=views,
-            features=out["avgpool"][:n],
-            batch_stats=batch_stats,
-            head=out["head"][:n],
-        )
+    normalize_jointly = config.method.normalize_jointly
 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
         terms, metrics = losses.barlow_twins_terms(
-            embeddings[0],
-            embeddings[1],
-            normalize_jointly=mcfg.normalize_jointly,
-            axis_name=DATA_AXIS,
+            embeddings[0], embeddings[1], normalize_jointly=normalize_jointly, axis_name=DATA_AXIS
         )
         return Objective(terms=terms, metrics=metrics)
 
-    return Method(init=init, forward=forward, objective=objective, model=model)
+    # Both views through the network as one batch (VISSL's multi-resolution forward).
+    return single_network.method(config, objective)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

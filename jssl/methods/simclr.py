@@ -14,50 +14,23 @@ Recipes and deliberate differences: docs/methods.md#simclr.
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
-import jax.numpy as jnp
 import ml_collections
 
-from jssl import losses, models
-from jssl.methods import Forward, Method, Objective, common
+from jssl import losses
+from jssl.methods import Method, Objective, single_network
 from jssl.parallel import DATA_AXIS
 
 TERMS = ("info_nce",)
 
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
-    mcfg = config.method
-    model = models.build_model(
-        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
-    )
-
-    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
-        variables = model.init(rng, images, train=False)
-        return dict(params=variables["params"], batch_stats=variables.get("batch_stats", {}))
-
-    def forward(params, state, batch, rng, train: bool = True) -> Forward:
-        count = common.num_crops(batch)
-        out, batch_stats = common.forward_crops(
-            model, params, state.batch_stats, batch["crops"], train, rng, batch.get("index")
-        )
-        embeddings = common.split_crops(out["head"].astype(jnp.float32), count)  # (C, n, d)
-        n = embeddings.shape[1]
-        return Forward(
-            embeddings=embeddings,
-            features=out["avgpool"][:n],
-            batch_stats=batch_stats,
-            head=out["head"][:n],
-        )
+    temperature = config.method.temperature
 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
-        _, metrics, info_nce = losses.multicrop_simclr_info_nce(
-            embeddings, mcfg.temperature, DATA_AXIS
-        )
+        _, metrics, info_nce = losses.multicrop_simclr_info_nce(embeddings, temperature, DATA_AXIS)
         return Objective(terms={"info_nce": info_nce}, metrics=metrics)
 
-    return Method(init=init, forward=forward, objective=objective, model=model)
+    return single_network.method(config, objective)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:

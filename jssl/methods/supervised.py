@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, models
-from jssl.methods import Forward, Method, Objective, common
+from jssl.methods import Forward, Method, Objective, common, single_network
 from jssl.models.resnet import torch_linear_bias_init, torch_linear_kernel_init
-from jssl.parallel import DATA_AXIS
 
 TOP_K = (1, 5)  # VISSL accuracy_list_meter topk_values
 CLASSIFIERS = "tap_classifiers"  # their parameters: params["tap_classifiers"]["<tap>"]
@@ -105,9 +104,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
     taps = tuple(str(t) for t in mcfg.get("tap_classifiers", ()))
     mixing = mix_settings(mcfg)
     num_classes = int(config.model.head_dims[-1])
-    model = models.build_model(
-        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
-    )
+    model = single_network.build_model(config)
     head_input = str(mcfg.get("head_input", "avgpool"))
     if head_input != model.head_input:
         model = model.clone(head_input=head_input)

@@ -15,14 +15,10 @@ Recipe and deliberate differences: docs/methods.md#vicreg.
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
-import jax.numpy as jnp
 import ml_collections
 
-from jssl import losses, models
-from jssl.methods import Forward, Method, Objective, common
+from jssl import losses
+from jssl.methods import Method, Objective, single_network
 from jssl.methods.barlow_twins import check_two_views_and_weights
 from jssl.parallel import DATA_AXIS
 
@@ -31,27 +27,6 @@ TERMS = ("invariance", "variance", "covariance")
 
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
-    model = models.build_model(
-        config.model, bn_axis_name=DATA_AXIS if config.model.sync_bn else None
-    )
-
-    def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
-        variables = model.init(rng, images, train=False)
-        return dict(params=variables["params"], batch_stats=variables.get("batch_stats", {}))
-
-    def forward(params, state, batch, rng, train: bool = True) -> Forward:
-        first, second = common.views(batch)
-        keys = [common.view_drop_keys(model, rng, batch, crop, train) for crop in (0, 1)]
-        out, batch_stats = common.apply_model(
-            model, params, state.batch_stats, first, train, keys[0]
-        )
-        out2, batch_stats = common.apply_model(model, params, batch_stats, second, train, keys[1])
-        return Forward(
-            embeddings=jnp.stack([out["head"], out2["head"]]).astype(jnp.float32),  # (2, n, d)
-            features=out["avgpool"],
-            batch_stats=batch_stats,
-            head=out["head"],
-        )
 
     def objective(embeddings, state, batch, train: bool = True) -> Objective:
         terms, metrics = losses.vicreg_terms(
@@ -63,7 +38,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
         return Objective(terms=terms, metrics=metrics)
 
-    return Method(init=init, forward=forward, objective=objective, model=model)
+    # Each view in its own forward pass, as the authors' code.
+    return single_network.method(config, objective, per_view=True)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
