@@ -20,11 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from jssl import losses, models
-from jssl.methods import Forward, Method, Objective, common, koleo
-from jssl.models.heads import DINOHead, dino_last_layer
+from jssl.methods import Forward, Method, Objective, common, distillation, koleo
+from jssl.methods.distillation import check_config  # noqa: F401  (the registry's hook)
+from jssl.models.heads import dino_last_layer
 from jssl.parallel import DATA_AXIS
 
 LAST_LAYER = "head/last_layer"
@@ -45,49 +45,22 @@ def terms(config: ml_collections.ConfigDict) -> tuple[common.LossTerm, ...]:
     return common.crop_terms("cross_entropy", crops) + koleo.optional_terms(config, crops)
 
 
-def teacher_temperature(
-    step: jax.Array, initial: float, final: float, warmup_steps: int
-) -> jax.Array:
-    """VISSL's ``linspace(initial, final, warmup_steps)[step]``, then ``final``."""
-    step = jnp.asarray(step, jnp.float32)
-    progress = step / max(warmup_steps - 1, 1)
-    return jnp.where(step < warmup_steps, initial + (final - initial) * progress, final)
-
-
 def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) -> Method:
     mcfg = config.method
-    bn_axis = DATA_AXIS if config.model.sync_bn else None
-    head = DINOHead(
-        out_dim=int(mcfg.out_dim),
-        hidden_dim=int(mcfg.hidden_dim),
-        bottleneck_dim=int(mcfg.bottleneck_dim),
-        num_layers=int(mcfg.num_layers),
-        use_bn=bool(mcfg.use_bn_in_head),
-        norm_last_layer=bool(mcfg.norm_last_layer),
-        dtype=jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32,
-        bn_axis_name=bn_axis,
-    )
+    head = distillation.dino_head(config)
     # The trunk (and its taps) of models.build_model, DINO's head in place of the MLP head.
-    model = models.build_model(config.model, bn_axis_name=bn_axis).clone(head=head)
+    model = models.build_model(config.model, bn_axis_name=head.bn_axis_name).clone(head=head)
     # The forward's networks stop at the bottleneck (the objective applies the last layer).
     # DINO builds its teacher without stochastic depth (main_dino.py: only the student gets
     # drop_path_rate), so the teacher's forward is the same network with none.
     student_model = model.clone(head=head.clone(last_layer=False))
     teacher_model = common.without_drop_path(student_model)
     teacher_crops = int(mcfg.teacher_crops)
-    # Without the epoch length (evaluation engines) the schedules read as finished.
-    spe = steps_per_epoch or 0
-    total_steps = spe * config.num_epochs
-    warmup_steps = int(round(mcfg.warmup_teacher_temp_epochs * spe))
-    freeze_steps = int(round(mcfg.freeze_last_layer_epochs * spe))
+    plan = distillation.schedules(config, steps_per_epoch)
+    teacher_temp_at = plan.temperature_at(mcfg.warmup_teacher_temp, mcfg.teacher_temp)
+    momentum_at = plan.momentum_at(mcfg.teacher_momentum)
     term_specs = terms(config)
     spread = koleo.enabled(config)
-
-    def teacher_temp_at(step):
-        return teacher_temperature(step, mcfg.warmup_teacher_temp, mcfg.teacher_temp, warmup_steps)
-
-    def momentum_at(step):
-        return common.cosine_momentum(step, total_steps, mcfg.teacher_momentum)
 
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
         variables = model.init(rng, images, train=False)
@@ -95,9 +68,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         return dict(
             params=variables["params"],
             batch_stats=batch_stats,
-            # The teacher starts as a copy of the student (DINO Alg. 1).
-            ema_params=jax.tree.map(jnp.copy, variables["params"]),
-            ema_batch_stats=jax.tree.map(jnp.copy, batch_stats),
+            **distillation.teacher_copy(variables["params"], batch_stats),
             method_state={"center": jnp.zeros((int(mcfg.out_dim),), jnp.float32)},
         )
 
@@ -161,12 +132,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             teacher_temp=temperature,
             teacher_momentum=momentum_at(state.step),
             center_norm=jnp.linalg.norm(state.method_state["center"]),
-            # The collapse monitor's (jssl.training.collapse): the entropies over log K, 1 for
-            # uniform outputs, the mean's 0 when one dimension dominates (Sec. 5.3).
-            **{
-                f"collapse/{name}": metrics[name] / np.log(teacher.shape[-1])
-                for name in ("teacher_entropy", "teacher_mean_entropy")
-            },
+            **distillation.collapse_metrics(metrics, teacher.shape[-1]),
         )
         values = [per_teacher[t] for t in range(teacher_crops)]
         if spread:
@@ -178,17 +144,9 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             carry={"batch_center": losses.dino_batch_center(teacher, DATA_AXIS)},
         )
 
-    def after_update(state, carry):
-        # state.step counts this update already; DINO's EMA after iteration k uses m(k).
-        momentum = momentum_at(state.step - 1)
-        center = losses.dino_update_center(
-            state.method_state["center"], carry["batch_center"], mcfg.center_momentum
-        )
-        return state.replace(
-            ema_params=common.ema(state.params, state.ema_params, momentum),
-            ema_batch_stats=carry["ema_batch_stats"],
-            method_state={"center": center},
-        )
+    after_update = distillation.teacher_update(
+        momentum_at, (("center", "batch_center", mcfg.center_momentum),)
+    )
 
     return Method(
         init=init,
@@ -196,62 +154,5 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         objective=objective,
         after_update=after_update,
         model=model,
-        frozen_params=((LAST_LAYER, freeze_steps),) if freeze_steps > 0 else (),
+        frozen_params=((LAST_LAYER, plan.freeze_steps),) if plan.freeze_steps > 0 else (),
     )
-
-
-def check_config(config: ml_collections.ConfigDict) -> None:
-    """Start-up checks that would otherwise fail deep inside the step (or silently)."""
-    from jssl import data
-
-    mcfg = config.method
-    if koleo.enabled(config):
-        koleo.check_group_size(config)
-    if tuple(config.model.head_dims):
-        raise ValueError(
-            f"model.head_dims={tuple(config.model.head_dims)}: DINO puts its own head on the "
-            "trunk (method.hidden_dim, method.bottleneck_dim, method.out_dim); set "
-            "--config.model.head_dims='()'."
-        )
-    groups = data.crop_groups(config.data)
-    total = sum(g.num_crops for g in groups)
-    teacher = int(mcfg.teacher_crops)
-    leading, sizes = 0, set()
-    for group in groups:
-        if leading >= teacher:
-            break
-        leading += group.num_crops
-        sizes.add(group.size)
-    if total < 2:
-        raise ValueError(
-            f"data.augment.num_crops={tuple(config.data.augment.num_crops)}: DINO compares "
-            "different crops of an image, so it needs at least two crops per image."
-        )
-    if teacher < 1 or leading != teacher:
-        raise ValueError(
-            f"method.teacher_crops={teacher} must be the number of crops in the leading crop "
-            f"groups (data.augment.num_crops={tuple(config.data.augment.num_crops)}): DINO's "
-            "teacher sees the global crops, e.g. num_crops='(1, 1, 8)' (two global crops that "
-            "differ in blur and solarisation, eight local ones) with "
-            "--config.method.teacher_crops=2."
-        )
-    if len(sizes) > 1:
-        raise ValueError(
-            f"method.teacher_crops={teacher} spans crop groups of different sizes {sorted(sizes)}: "
-            "the teacher's (global) crops must share one size (data.augment.crop_sizes)."
-        )
-    for field in ("student_temp", "teacher_temp", "warmup_teacher_temp"):
-        if mcfg[field] <= 0:
-            raise ValueError(
-                f"method.{field}={mcfg[field]} must be positive (DINO: student 0.1, teacher "
-                "0.04 to 0.07)."
-            )
-    for field in ("teacher_momentum", "center_momentum"):
-        if not 0.0 <= mcfg[field] <= 1.0:
-            raise ValueError(f"method.{field}={mcfg[field]} must lie in [0, 1].")
-    for field in ("out_dim", "hidden_dim", "bottleneck_dim", "num_layers"):
-        if int(mcfg[field]) < 1:
-            raise ValueError(f"method.{field}={mcfg[field]} must be a positive integer.")
-    for field in ("warmup_teacher_temp_epochs", "freeze_last_layer_epochs"):
-        if mcfg[field] < 0:
-            raise ValueError(f"method.{field}={mcfg[field]} must be >= 0 (0: none).")

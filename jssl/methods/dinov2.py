@@ -1,8 +1,9 @@
 """DINOv2 (Oquab et al. 2023, "DINOv2: Learning Robust Visual Features without Supervision"),
 following facebookresearch/dinov2 (dinov2/train/ssl_meta_arch.py ``forward_backward``,
 dinov2/loss/{dino_clstoken_loss,ibot_patch_loss,koleo_loss}.py, dinov2/data/masking.py and
-collate.py, dinov2/configs/ssl_default_config.yaml), on top of iBOT (jssl.methods.ibot: masks,
-student and teacher passes) and DINO (its loss and schedules).
+collate.py, dinov2/configs/ssl_default_config.yaml), with iBOT's masked student
+(jssl.methods.masked_student) and DINO's teacher, schedules and checks
+(jssl.methods.distillation).
 
 Per step: the student sees its global crops with DINOv2's blockwise masks
 (``masking.dinov2_spec``), the local crops unmasked; the teacher (EMA, no drop path) the global
@@ -23,7 +24,16 @@ import jax.numpy as jnp
 import ml_collections
 
 from jssl import losses, parallel
-from jssl.methods import Forward, Method, Objective, common, dino, ibot, koleo, masking
+from jssl.methods import (
+    Forward,
+    Method,
+    Objective,
+    common,
+    distillation,
+    koleo,
+    masked_student,
+    masking,
+)
 from jssl.models.heads import ClsPatchHeads, DINOHead
 from jssl.parallel import DATA_AXIS
 
@@ -52,25 +62,18 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         )
 
     head = ClsPatchHeads(dino_head(), dino_head("patch_")) if mcfg.separate_head else dino_head()
-    model = ibot.student_model(config, head)
+    model = masked_student.student_model(config, head)
     teacher = common.without_drop_path(model)
     spec = masking.dinov2_spec(mcfg.mask_ratio_min_max, mcfg.mask_sample_probability)
     teacher_crops, patch_size = int(mcfg.teacher_crops), int(config.model.patch_size)
     sinkhorn = mcfg.centering == "sinkhorn_knopp"
-    spe = steps_per_epoch or 0  # no epoch length (evaluation engines): schedules read as done
-    total_steps = spe * config.num_epochs
-    warmup = int(round(mcfg.warmup_teacher_temp_epochs * spe))
-    freeze_steps = int(round(mcfg.freeze_last_layer_epochs * spe))
+    plan = distillation.schedules(config, steps_per_epoch)
+    temperature_at = plan.temperature_at(mcfg.warmup_teacher_temp, mcfg.teacher_temp)
+    momentum_at = plan.momentum_at(mcfg.teacher_momentum)
     term_specs = terms(config)
 
-    def temperature_at(step):
-        return dino.teacher_temperature(step, mcfg.warmup_teacher_temp, mcfg.teacher_temp, warmup)
-
-    def momentum_at(step):
-        return common.cosine_momentum(step, total_steps, mcfg.teacher_momentum)
-
     def init(rng: jax.Array, images: jax.Array) -> dict[str, Any]:
-        params = ibot.init_params(model, rng, images)
+        params = masked_student.init_variables(model, rng, images)["params"]
         centers = {}
         if not sinkhorn:
             centers = {
@@ -80,15 +83,16 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         return dict(
             params=params,
             batch_stats={},
-            ema_params=jax.tree.map(jnp.copy, params),
-            ema_batch_stats={},
+            **distillation.teacher_copy(params, {}),
             method_state=centers,
         )
 
     def forward(params, state, batch, rng, train: bool = True) -> Forward:
-        views = ibot.split_views(batch, teacher_crops)
-        masks, slots, valid = ibot.draw_masks(spec, views, patch_size, rng, batch["index"], True)
-        student, _ = ibot.apply_student(
+        views = masked_student.split_views(batch, teacher_crops)
+        masks, slots, valid = masked_student.draw_masks(
+            spec, views, patch_size, rng, batch["index"], True
+        )
+        student, _ = masked_student.apply_student(
             model, params, {}, views, masks, slots, rng, batch["index"], train
         )
         out = teacher.apply(
@@ -98,7 +102,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             train,
             method=_teacher_masked_patches,
         )
-        embeddings = ibot.distillation_embeddings(student, out, valid, teacher_crops)
+        embeddings = masked_student.distillation_embeddings(student, out, valid, teacher_crops)
         return Forward(
             embeddings=dict(embeddings, cls_tokens=student["cls_tokens"].astype(jnp.float32)),
             features=student["features"],
@@ -140,8 +144,8 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         values = [per_teacher[t] for t in crops] + [per_crop[t] for t in crops] + spread
         metrics = dict(
             metrics,
-            **ibot.patch_metrics(embeddings, patch_targets),
-            **ibot.collapse_metrics(metrics, teacher.shape[-1]),
+            **masked_student.patch_metrics(embeddings, patch_targets),
+            **distillation.collapse_metrics(metrics, teacher.shape[-1]),
             teacher_temp=temperature,
             teacher_momentum=momentum_at(state.step),
         )
@@ -151,23 +155,12 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
             carry=carry,
         )
 
-    def after_update(state, carry):
-        # state.step counts this update already; the EMA after iteration k uses m(k).
-        state = state.replace(
-            ema_params=common.ema(state.params, state.ema_params, momentum_at(state.step - 1))
-        )
-        if sinkhorn:
-            return state
-        update = losses.dino_update_center
-        momentum = mcfg.center_momentum
-        return state.replace(
-            method_state={
-                "center": update(state.method_state["center"], carry["batch_center"], momentum),
-                "patch_center": update(
-                    state.method_state["patch_center"], carry["patch_batch_center"], momentum
-                ),
-            }
-        )
+    centers = (
+        ("center", "batch_center", mcfg.center_momentum),
+        ("patch_center", "patch_batch_center", mcfg.center_momentum),
+    )
+    # Sinkhorn-Knopp centres each batch on its own: no centre to move.
+    after_update = distillation.teacher_update(momentum_at, () if sinkhorn else centers)
 
     return Method(
         init=init,
@@ -175,7 +168,7 @@ def make(config: ml_collections.ConfigDict, steps_per_epoch: int | None = None) 
         objective=objective,
         after_update=after_update,
         model=model,
-        frozen_params=ibot.last_layer_freeze(head, freeze_steps),
+        frozen_params=masked_student.last_layer_freeze(head, plan.freeze_steps),
     )
 
 
@@ -196,8 +189,8 @@ def _teacher_masked_patches(module, images, slots, train):
 
 def check_config(config: ml_collections.ConfigDict) -> None:
     """DINO's start-up checks (crops, temperatures, momenta, head sizes), then DINOv2's."""
-    dino.check_config(config)
-    ibot.check_vit(config)
+    distillation.check_config(config)
+    masked_student.check_vit(config)
     m = config.method
     if m.get("use_bn_in_head", False):
         raise ValueError(

@@ -1,18 +1,18 @@
-"""iBOT's start-up checks (jssl.methods.ibot re-exports them): DINO's, then the masks, the patch
-temperatures and centre, the shared last layers, and the ViT every masked-image method needs."""
+"""iBOT's start-up checks (jssl.methods.ibot's ``check_config``): DINO's, then the ViT every
+masked-image method needs, the masks, the patch temperatures and centre, the shared last
+layers."""
 
 from __future__ import annotations
 
 import ml_collections
 
-from jssl import models
-from jssl.methods import dino
+from jssl.methods import distillation, masked_student
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
     """DINO's start-up checks (crops, temperatures, momenta, head sizes), then iBOT's."""
-    dino.check_config(config)
-    check_vit(config)
+    distillation.check_config(config)
+    masked_student.check_vit(config)
     m = config.method
     ratios, variations = tuple(m.pred_ratio), tuple(m.pred_ratio_var)
     if len(variations) == 1:
@@ -46,15 +46,4 @@ def check_config(config: ml_collections.ConfigDict) -> None:
             "but a last layer is shared by [CLS] and patches (method.shared_head="
             f"{m.shared_head}, method.shared_head_teacher={m.shared_head_teacher}): set "
             f"--config.method.patch_out_dim={m.out_dim}, or both shared_head fields False."
-        )
-
-
-def check_vit(config: ml_collections.ConfigDict) -> None:
-    """A masked-image method needs a ViT (a mask token, patch tokens)."""
-    name = config.method.name
-    if not models.is_vit(config.model):
-        raise ValueError(
-            f"model.trunk={config.model.trunk!r}: method {name!r} replaces masked patches by a "
-            "mask token and distils patch tokens, so it needs a ViT trunk, e.g. "
-            "--config.model.trunk=vit_small."
         )

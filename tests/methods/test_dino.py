@@ -16,7 +16,7 @@ from configs import dino
 from jssl import data, losses, methods, optim, parallel
 from jssl.engines import train
 from jssl.methods import common
-from jssl.methods.dino import teacher_temperature
+from jssl.methods.distillation import teacher_temperature
 from jssl.models.heads import DINOHead, WeightNormDense
 from jssl.parallel import DATA_AXIS
 from jssl.training.step import make_train_step

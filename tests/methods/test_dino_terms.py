@@ -11,7 +11,7 @@ from configs import dino
 from jssl import data, losses, methods, parallel
 from jssl.engines import train
 from jssl.methods import common
-from jssl.methods.dino import teacher_temperature
+from jssl.methods.distillation import teacher_temperature
 from jssl.parallel import DATA_AXIS
 
 
